@@ -1,0 +1,551 @@
+"""Self-tests of tools/steps.py (and tools/mkdocs_hooks.py) on small synthetic repositories."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+STEPS = TOOLS / "steps.py"
+ZERO = "0" * 40
+
+
+def load_module(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+steps = load_module("steps_under_test", STEPS)
+
+# ---------------------------------------------------------------------------- the synthetic book
+
+CH0_MAIN = """\
+import naive
+from minisgl.util import shout
+
+print(shout(naive.greet()))
+"""
+NAIVE = '''\
+def greet() -> str:
+    """Chapter 0's naive part."""
+    return "hello from chapter 0"
+'''
+INIT = '"""A tiny minisgl."""\n'
+UTIL = """\
+def shout(text: str) -> str:
+    return text.upper()
+"""
+CORE = """\
+import datetime
+import time
+
+from minisgl.util import shout
+
+
+class Engine:
+    @staticmethod
+    def run() -> None:
+        start = time.perf_counter()
+        print(shout("chapter 1 runs"))
+        elapsed = (time.perf_counter() - start) * 1000
+        print(f"took {elapsed:.6f} ms at {datetime.datetime.now().isoformat()}")
+"""
+CH1_MAIN = """\
+from minisgl.core import Engine
+
+Engine.run()
+"""
+TEST0 = """\
+import naive
+
+
+def test_greet():
+    assert "chapter 0" in naive.greet()
+"""
+TEST1 = """\
+from minisgl.core import Engine
+
+
+def test_engine(capsys):
+    Engine.run()
+    assert "CHAPTER 1" in capsys.readouterr().out
+"""
+EXAMPLE = "def demo():\n    return 1\n"
+
+
+def manifest(number: int, slug: str, files: list[tuple[str, str, str | None]], outputs: str) -> str:
+    text = f'number = {number}\nslug = "{slug}"\ntitle = "第 {number} 章"\n'
+    text += f'page = "docs/ch{number:02d}-{slug}.md"\n'
+    for path, status, src in files:
+        text += f'\n[[file]]\npath = "{path}"\nstatus = "{status}"\nhash = "{ZERO}"\n'
+        text += f'src = "{src}"\n' if src else ""
+    return text + outputs
+
+
+MAIN_OUTPUT = '\n[[output]]\nid = "main"\ncmd = ["python", "main.py"]\nwhere = "tree"\n'
+DEMO_OUTPUT = (
+    '\n[[output]]\nid = "demo"\n'
+    'cmd = ["python", "-c", "import minisgl.core; print(\'repo ok\')"]\nwhere = "repo"\n'
+)
+
+PAGE0 = """\
+# 第 0 章
+
+<!-- tree: begin -->
+<!-- tree: end -->
+
+```python
+--8<-- "0:naive.py#greet"
+```
+
+<!-- illustration -->
+```python
+print("an idea, not code of the tree")
+```
+
+```py title="main.py"
+--8<-- "0:main.py:1:2"
+```
+
+## 运行结果
+
+<!-- output: main -->
+```text
+```
+"""
+PAGE1 = """\
+# 第 1 章
+
+<!-- tree: begin -->
+```text
+```
+<!-- tree: end -->
+
+```python
+--8<-- "1:minisgl/core.py#Engine.run"
+```
+
+```python
+--8<-- "repo:examples/demo.py#demo"
+```
+
+<!-- output: main -->
+
+<!-- output: demo -->
+```text
+```
+"""
+TREE1 = """\
+.
+├── minisgl/
+│   ├── __init__.py    [未变]
+│   ├── core.py        [新建]
+│   └── util.py        [未变]
+├── tests/
+│   └── ch01/
+│       └── test_b.py  [新建]
+└── main.py            [修改]
+"""
+
+
+def steps_cmd(root: Path, *args: str, env: dict[str, str] | None = None):
+    """Run `steps.py --root ROOT ARGS` and return the completed process (text)."""
+    env = dict(os.environ if env is None else env, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # speed
+    return subprocess.run(
+        [sys.executable, str(STEPS), "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=120,
+    )
+
+
+def failures(stdout: str) -> set[tuple[int, int]]:
+    """The (chapter, property) pairs that `check` reported as FAIL."""
+    found, chapter = set(), -1
+    for line in stdout.splitlines():
+        if m := re.match(r"chapter (\d+) ", line):
+            chapter = int(m[1])
+        elif m := re.match(r"  \[(\d)\] .*? FAIL: ", line):
+            found.add((chapter, int(m[1])))
+    return found
+
+
+def write(root: Path, path: str, text: str) -> None:
+    (root / path).parent.mkdir(parents=True, exist_ok=True)
+    (root / path).write_text(text, encoding="utf-8")
+
+
+def edit(root: Path, path: str, old: str, new: str) -> None:
+    text = (root / path).read_text(encoding="utf-8")
+    assert old in text, f"{old!r} not in {path}"
+    (root / path).write_text(text.replace(old, new), encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A healthy two-chapter book; its hashes come from `rehash`, its blocks from `pages`."""
+    root = tmp_path_factory.mktemp("book")
+    ch0 = [
+        ("main.py", "new", None),
+        ("naive.py", "new", "chapters/ch00_a/naive.py"),
+        ("minisgl/__init__.py", "new", None),
+        ("minisgl/util.py", "new", None),
+        ("tests/ch00/test_a.py", "new", None),
+    ]
+    ch1 = [
+        ("main.py", "modified", None),
+        ("minisgl/__init__.py", "same", None),
+        ("minisgl/util.py", "same", None),
+        ("minisgl/core.py", "new", None),
+        ("tests/ch01/test_b.py", "new", None),
+    ]
+    files = {
+        "chapters/ch00_a/tree.toml": manifest(0, "a", ch0, MAIN_OUTPUT),
+        "chapters/ch00_a/main.py": CH0_MAIN,
+        "chapters/ch00_a/naive.py": NAIVE,
+        "chapters/ch01_b/tree.toml": manifest(1, "b", ch1, MAIN_OUTPUT + DEMO_OUTPUT),
+        "chapters/ch01_b/main.py": CH1_MAIN,
+        "python/minisgl/__init__.py": INIT,
+        "python/minisgl/util.py": UTIL,
+        "python/minisgl/core.py": CORE,
+        "tests/ch00/test_a.py": TEST0,
+        "tests/ch01/test_b.py": TEST1,
+        "examples/demo.py": EXAMPLE,
+        "docs/ch00-a.md": PAGE0,
+        "docs/ch01-b.md": PAGE1,
+    }
+    for path, text in files.items():
+        write(root, path, text)
+    for args in (["rehash", "0"], ["rehash", "1"], ["pages"]):
+        done = steps_cmd(root, *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+    return root
+
+
+@pytest.fixture
+def repo(template: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    shutil.copytree(template, root, symlinks=True)
+    return root
+
+
+def check_fails(root: Path, *args: str, expect: set[tuple[int, int]], message: str) -> str:
+    done = steps_cmd(root, "check", *args)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert failures(done.stdout) == expect, done.stdout
+    assert message in done.stdout, done.stdout
+    return done.stdout
+
+
+# ---------------------------------------------------------------------------- healthy book
+
+
+def test_healthy_book_passes_every_property(repo: Path) -> None:
+    done = steps_cmd(repo, "check")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "summary: 15 ok, 0 failed, 0 skipped" in done.stdout
+    page1 = (repo / "docs/ch01-b.md").read_text(encoding="utf-8")
+    assert "CHAPTER 1 RUNS\ntook " in page1 and "repo ok" in page1  # pages inserted the blocks
+
+
+def test_pages_filled_in_the_blocks(repo: Path) -> None:
+    page0 = (repo / "docs/ch00-a.md").read_text(encoding="utf-8")
+    assert "<!-- tree: begin -->\n```text\n.\n├── minisgl/" in page0
+    assert "<!-- output: main -->\n```text\nHELLO FROM CHAPTER 0\n```" in page0
+    assert TREE1.strip() in (repo / "docs/ch01-b.md").read_text(encoding="utf-8")
+
+
+def test_masking_hides_timings_and_dates(repo: Path) -> None:
+    # The page holds one run's timing and date, check compares with another run's.
+    page1 = (repo / "docs/ch01-b.md").read_text(encoding="utf-8")
+    assert re.search(r"took \d+\.\d{6} ms at \d{4}-\d\d-\d\dT", page1)
+    assert steps_cmd(repo, "check", "1").returncode == 0
+    assert steps.mask("took 12.5 ms, 3,200.5 tok/s, 1.5GiB at 2024-05-01T10:00:00.123") == (
+        "took <N ms>, <N tok/s>, <N GiB> at <date>"
+    )
+    assert steps.mask("耗时 12 秒, 3 steps, 2 users, x1 s") == "耗时 <N 秒>, 3 steps, 2 users, x1 s"
+    assert steps.mask("12:30:01 done in 4 min") == "<date> done in <N min>"
+    assert steps.outputs_match("seed 7 gives 3 tokens  # mask-line\n", "seed 9 gives 4 tokens")
+    assert not steps.outputs_match("seed 7\n", "seed 9\n")
+    assert steps.outputs_match("a  \nb\n\n", "a\nb")
+
+
+# ---------------------------------------------------------------------------- breakages
+
+
+def test_a_main_importing_a_module_outside_its_tree_fails(repo: Path) -> None:
+    edit(repo, "chapters/ch00_a/main.py", "import naive\n", "import naive\nimport minisgl.core\n")
+    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    out = check_fails(
+        repo, "0", expect={(0, 2), (0, 6)}, message="minisgl.core is not in this chapter's tree"
+    )
+    assert "[7] every file used" in out and "skipped" in out
+
+
+def test_an_installed_minisgl_cannot_leak_in(repo: Path, tmp_path: Path) -> None:
+    # An installed minisgl outside the tree: on the parent's PYTHONPATH and put on sys.path.
+    site = tmp_path / "site"
+    write(site, "minisgl/__init__.py", "")
+    write(site, "minisgl/util.py", UTIL)
+    write(site, "minisgl/core.py", "LEAKED = True\n")
+    leak = f"import sys\nsys.path.insert(0, {str(site)!r})\nimport minisgl.core\n"
+    edit(repo, "chapters/ch00_a/main.py", "import naive\n", leak + "import naive\n")
+    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    # Control: without the isolation the import succeeds.
+    assert steps_cmd(repo, "build", "0", str(tmp_path / "built")).returncode == 0
+    plain = subprocess.run(
+        [sys.executable, "main.py"],
+        cwd=tmp_path / "built",
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert plain.returncode == 0, plain.stderr
+    env = dict(os.environ, PYTHONPATH=str(site))
+    done = steps_cmd(repo, "check", "0", env=env)
+    assert done.returncode == 1 and failures(done.stdout) == {(0, 2), (0, 6)}, done.stdout
+    assert "minisgl.core is not in this chapter's tree" in done.stdout
+
+
+def test_b_tree_block_disagreeing_with_the_manifest_fails(repo: Path) -> None:
+    edit(repo, "docs/ch01-b.md", "core.py        [新建]", "core.py        [修改]")
+    check_fails(repo, "--no-run", expect={(1, 5)}, message="the tree block differs")
+
+
+def test_c_pasted_python_block_fails(repo: Path) -> None:
+    edit(
+        repo,
+        "docs/ch00-a.md",
+        "## 运行结果",
+        "```python\ndef greet():\n    ...\n```\n\n## 运行结果",
+    )
+    check_fails(repo, "--no-run", expect={(0, 5)}, message="python block pasted, not included")
+
+
+def test_d_stale_output_fails(repo: Path) -> None:
+    edit(repo, "docs/ch00-a.md", "HELLO FROM CHAPTER 0", "HELLO FROM CHAPTER ZERO")
+    check_fails(repo, "0", expect={(0, 6)}, message="no longer matches a fresh run")
+    assert steps_cmd(repo, "pages", "0").returncode == 0
+    assert steps_cmd(repo, "check", "0").returncode == 0
+
+
+def test_e_unused_file_in_a_tree_fails(repo: Path) -> None:
+    write(repo, "chapters/ch00_a/extra.py", "X = 1\n")
+    with (repo / "chapters/ch00_a/tree.toml").open("a", encoding="utf-8") as f:
+        f.write(
+            f'\n[[file]]\npath = "extra.py"\nstatus = "new"\nhash = "{ZERO}"\n'
+            'src = "chapters/ch00_a/extra.py"\n'
+        )
+    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    assert steps_cmd(repo, "pages", "0").returncode == 0
+    check_fails(
+        repo,
+        "0",
+        expect={(0, 7)},
+        message="tree 0 holds extra.py but neither main.py nor the tests import it",
+    )
+
+
+def test_f_earlier_chapter_changed_under_its_manifest_fails(repo: Path) -> None:
+    edit(repo, "python/minisgl/util.py", "return", "return  # louder\n    return")
+    assert steps_cmd(repo, "rehash", "1").returncode == 0  # chapter 1 moved on
+    assert steps_cmd(repo, "pages", "1").returncode == 0
+    check_fails(repo, "--no-run", expect={(0, 8)}, message="run `steps.py freeze`")
+
+
+def test_g_failing_chapter_test_fails(repo: Path) -> None:
+    edit(repo, "tests/ch01/test_b.py", '"CHAPTER 1"', '"CHAPTER 2"')
+    assert steps_cmd(repo, "rehash", "1").returncode == 0
+    check_fails(repo, "1", expect={(1, 3)}, message="pytest exited with 1")
+
+
+def test_h_python_minisgl_differing_from_newest_tree_fails(repo: Path) -> None:
+    write(repo, "python/minisgl/extra.py", "")
+    check_fails(
+        repo, "--no-run", expect={(1, 4)}, message="python/minisgl/extra.py is not in tree 1"
+    )
+    (repo / "python/minisgl/extra.py").unlink()
+    write(repo, "chapters/ch01_b/files/minisgl/core.py", CORE + "# frozen\n")
+    assert steps_cmd(repo, "rehash", "1").returncode == 0
+    check_fails(repo, "--no-run", expect={(1, 4)}, message="content differs from python/minisgl")
+
+
+def test_i_include_of_a_missing_symbol_fails(repo: Path) -> None:
+    edit(repo, "docs/ch00-a.md", "naive.py#greet", "naive.py#nosuch")
+    check_fails(repo, "--no-run", expect={(0, 5)}, message="has no def or class 'nosuch'")
+
+
+@pytest.mark.parametrize(
+    ("include", "message"),
+    [
+        ('"1:naive.py"', "a page of chapter 0 includes from tree 0"),
+        ('"0:core.py"', "tree 0 has no core.py"),
+        ('"0:naive.py:2:9"', "has 3 lines, not 2..9"),
+        ('"repo:python/minisgl/util.py"', "include minisgl and test files from a tree"),
+        ('"repo:examples/nothing.py"', "is not a file of the repository"),
+    ],
+)
+def test_bad_includes_fail(repo: Path, include: str, message: str) -> None:
+    edit(repo, "docs/ch00-a.md", '"0:naive.py#greet"', include)
+    check_fails(repo, "--no-run", "0", expect={(0, 5)}, message=message)
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    )
+
+
+def test_freeze_recovers_the_old_blob_from_git(repo: Path) -> None:
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "book")
+    edit(repo, "python/minisgl/util.py", "return", "# chapter 1 polishes this\n    return")
+    assert steps_cmd(repo, "rehash", "1").returncode == 0
+    done = steps_cmd(repo, "freeze")
+    assert done.returncode == 0, done.stderr
+    assert "froze chapters/ch00_a/files/minisgl/util.py" in done.stdout
+    assert (repo / "chapters/ch00_a/files/minisgl/util.py").read_text(encoding="utf-8") == UTIL
+    assert steps_cmd(repo, "pages", "1").returncode == 0
+    done = steps_cmd(repo, "check")
+    assert done.returncode == 0, done.stdout
+
+
+def test_freeze_errors_when_git_lacks_the_blob(repo: Path) -> None:
+    git(repo, "init", "-q")
+    edit(repo, "python/minisgl/util.py", "return", "# never committed\n    return")
+    done = steps_cmd(repo, "freeze")
+    assert done.returncode == 1
+    assert "chapter 0: minisgl/util.py: git does not have the recorded blob" in done.stderr
+
+
+def test_rehash_records_new_hashes_and_keeps_key_order(repo: Path) -> None:
+    edit(repo, "chapters/ch00_a/naive.py", "hello", "hi")
+    check_fails(repo, "--no-run", expect={(0, 8)}, message="`steps.py rehash 0`")
+    done = steps_cmd(repo, "rehash", "0")
+    assert done.returncode == 0 and "tree 0: naive.py: new" in done.stdout
+    assert steps_cmd(repo, "check", "--no-run").returncode == 0
+    text = (repo / "chapters/ch00_a/tree.toml").read_text(encoding="utf-8")
+    assert text.startswith('number = 0\nslug = "a"\ntitle = "第 0 章"\npage = "docs/ch00-a.md"\n')
+    assert '[[file]]\npath = "naive.py"\nstatus = "new"\nhash = "' in text
+    assert 'src = "chapters/ch00_a/naive.py"\n' in text
+    assert '[[output]]\nid = "main"\ncmd = ["python", "main.py"]\nwhere = "tree"\n' in text
+
+
+def test_status_rules_are_checked(repo: Path) -> None:
+    edit(repo, "chapters/ch01_b/tree.toml", 'status = "new"', 'status = "early"')
+    check_fails(
+        repo, "--no-run", "1", expect={(1, 5), (1, 8)}, message="status early needs a stored copy"
+    )
+
+
+def test_tree_prints_the_marked_tree(repo: Path) -> None:
+    done = steps_cmd(repo, "tree", "1")
+    assert done.returncode == 0 and done.stdout == TREE1
+
+
+def test_build_writes_exactly_the_tree(repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert steps_cmd(repo, "build", "0", str(out)).returncode == 0
+    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert written == [
+        "main.py",
+        "minisgl/__init__.py",
+        "minisgl/util.py",
+        "naive.py",
+        "tests/ch00/test_a.py",
+    ]
+    assert (out / "naive.py").read_text(encoding="utf-8") == NAIVE
+    done = steps_cmd(repo, "build", "1", str(out))
+    assert done.returncode == 2 and "not an empty folder" in done.stderr
+
+
+def test_diff_shows_what_changed_since_the_previous_tree(repo: Path) -> None:
+    done = steps_cmd(repo, "diff", "1")
+    assert done.returncode == 0
+    for header in (
+        "--- a/main.py\n+++ b/main.py",
+        "--- /dev/null\n+++ b/minisgl/core.py",
+        "--- a/naive.py\n+++ /dev/null",
+        "+++ b/tests/ch01/test_b.py",
+    ):
+        assert header in done.stdout
+    assert "util.py" not in done.stdout and "+class Engine:" in done.stdout
+
+
+def test_list_and_run(repo: Path) -> None:
+    done = steps_cmd(repo, "list")
+    assert done.stdout.splitlines() == [
+        " 0  a                第 0 章  (5 files, docs/ch00-a.md)",
+        " 1  b                第 1 章  (5 files, docs/ch01-b.md)",
+    ]
+    done = steps_cmd(repo, "run", "0", "--", "--ignored")
+    assert done.returncode == 0 and done.stdout == "HELLO FROM CHAPTER 0\n"
+
+
+def test_pages_is_idempotent(repo: Path) -> None:
+    before = {p: p.read_bytes() for p in (repo / "docs").iterdir()}
+    assert steps_cmd(repo, "pages").returncode == 0  # fresh timings and dates, same pages
+    assert before == {p: p.read_bytes() for p in (repo / "docs").iterdir()}
+
+
+def test_run_sees_models_and_passes_arguments(repo: Path) -> None:
+    write(repo, "models/hello.txt", "weights\n")
+    edit(
+        repo,
+        "chapters/ch00_a/main.py",
+        "print(",
+        "import sys\nprint(open('models/hello.txt').read().strip(), sys.argv[1:])\nprint(",
+    )
+    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    done = steps_cmd(repo, "run", "0", "--", "--flag")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "weights ['--flag']\nHELLO FROM CHAPTER 0\n"
+
+
+def test_timeout_kills_the_main_and_what_it_started(repo: Path) -> None:
+    hang = "import subprocess, time\nsubprocess.Popen(['sleep', '60'])\ntime.sleep(60)\n"
+    edit(repo, "chapters/ch00_a/main.py", "import naive\n", hang + "import naive\n")
+    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    out = check_fails(
+        repo, "0", "--timeout", "1", expect={(0, 2), (0, 6)}, message="main.py timed out after 1 s"
+    )
+    assert "[3] tests pass             ok" in out
+
+
+def test_mkdocs_hook_expands_includes(repo: Path) -> None:
+    pytest.importorskip("mkdocs")
+    for name in ("steps.py", "mkdocs_hooks.py"):
+        write(repo, f"tools/{name}", (TOOLS / name).read_text(encoding="utf-8"))
+    sys.modules.pop("minisgl_book_steps", None)
+    hooks = load_module("hooks_under_test", repo / "tools/mkdocs_hooks.py")
+    sys.modules.pop("minisgl_book_steps", None)
+    page1 = (repo / "docs/ch01-b.md").read_text(encoding="utf-8")
+    html = hooks.on_page_markdown(page1, page=None, config={}, files=None)
+    assert "--8<--" not in html
+    assert "```python\n@staticmethod\ndef run() -> None:\n    start = time" in html
+    assert "```python\ndef demo():\n    return 1\n```" in html
+    plain = "# 标题\n\n```python\nprint(1)\n```\n"
+    assert hooks.on_page_markdown(plain, page=None, config={}, files=None) == plain
+    with pytest.raises(Exception, match="has no def or class 'nosuch'"):
+        hooks.on_page_markdown(page1.replace("#Engine.run", "#nosuch"), None, {}, None)
