@@ -597,11 +597,23 @@ class TreeOnlyFinder:
         return spec
 
 
+_OPENED = set()  # set() rather than a literal: this text goes through str.format
+
+
+def _audit(event, args):
+    """Every file this process opens (imports included), recorded as it happens: pytest may
+    drop a module from sys.modules (two conftest.py files do that), so exit is too late."""
+    if event == "open" and args and isinstance(args[0], str):
+        real = os.path.realpath(args[0])
+        if real.startswith(TREE + os.sep):
+            _OPENED.add(real[len(TREE) + 1:])
+
+
 def _log_imports():
     log = os.environ.get("MINISGL_STEPS_LOG")
     if not log:
         return
-    used = set()
+    used = set(name for name in _OPENED if not name.startswith(".steps/"))
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
         real = os.path.realpath(file) if isinstance(file, str) else ""
@@ -612,6 +624,7 @@ def _log_imports():
 
 
 sys.meta_path.insert(0, TreeOnlyFinder)
+sys.addaudithook(_audit)
 atexit.register(_log_imports)
 '''
 
@@ -768,14 +781,15 @@ def check_hashes(book: Book, ch: Chapter) -> list[str]:
 
 
 def check_used(book: Book, ch: Chapter, box: Path) -> list[str]:
-    """Property 7: every .py file was imported; every other file is named by a used .py file."""
+    """Property 7: every file was imported or opened; a non-.py file may also be named by one."""
     log = box / ".steps" / "imports.log"
     used = set(log.read_text(encoding="utf-8").split()) if log.is_file() else set()
     used.add("main.py")
     texts = "\n".join((box / p).read_text("utf-8", "replace") for p in used if (box / p).is_file())
     problems = []
     for f in ch.files:
-        ok = f.path in used if f.path.endswith(".py") else f.path.rsplit("/", 1)[-1] in texts
+        named = not f.path.endswith(".py") and f.path.rsplit("/", 1)[-1] in texts
+        ok = f.path in used or named
         if not ok:
             problems.append(
                 f"tree {ch.number} holds {f.path} but neither main.py nor the tests "
