@@ -1,15 +1,18 @@
-"""Shared pytest fixtures: where the test models live and how they get made (chapter 0).
+"""Shared pytest fixtures: where the test models live and how they get made, and how to load
+a chapter's own modules (naive.py, skeleton.py) (chapter 0).
 
 This file never imports minisgl: it is part of every chapter's tree, including chapter 0's.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -17,6 +20,12 @@ import pytest
 REPO = Path(os.environ.get("MINISGL_REPO") or Path(__file__).resolve().parents[1])
 MODELS = REPO / "models"
 SMOLLM2 = "SmolLM2-135M-Instruct"
+# Inside a materialised chapter tree the chapter's own modules sit at the tree root; in the
+# repository they live in chapters/chNN_slug/. This is the root of whichever we are in.
+HERE = Path(__file__).resolve().parents[1]
+IN_TREE = not (HERE / "chapters").is_dir()
+if not IN_TREE:
+    sys.path.insert(0, str(HERE / "chapters" / "ch00_naive"))  # naive.py, used by chapter 1
 
 
 def ensure_model(name: str) -> Path:
@@ -26,6 +35,20 @@ def ensure_model(name: str) -> Path:
         args = ["smollm2"] if name == SMOLLM2 else ["tiny", name]
         subprocess.run([sys.executable, str(REPO / "tools" / "models.py"), *args], check=True)
     return folder
+
+
+def chapter_module(chapter: str, name: str) -> ModuleType:
+    """A chapter's own module (e.g. chapter "ch03_models", name "skeleton"), loaded under a
+    name of its own so that several chapters' skeletons can live in one test session."""
+    path = HERE / f"{name}.py" if IN_TREE else HERE / "chapters" / chapter / f"{name}.py"
+    key = f"{chapter}_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, path)
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
 @pytest.fixture(scope="session")
