@@ -15,8 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "chapters" / "ch00_naive"))
 
-from naive import NaiveEngine  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
+
+from naive import NaiveEngine  # noqa: E402
 
 
 def main() -> None:

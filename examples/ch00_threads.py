@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "chapters" / "ch00_naive"))
 
 import torch  # noqa: E402
+
 from naive import NaiveEngine  # noqa: E402
 
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"

@@ -12,7 +12,7 @@ Commands (all take `--root DIR` first to work on another repository):
     diff N                    unified diff from tree N-1 to tree N
     run N [-- ARGS]           run chapter N's main in isolation
     check [N ...] [--no-run]  enforce the eight properties (every chapter when none given)
-    pages [N ...]             regenerate the tree and output blocks of the pages
+    pages [N ...] [--force]   regenerate the tree and output blocks of the pages
     rehash N                  record tree N's current hashes (chapter N was meant to change)
     freeze                    store the old copy of each file whose live copy a later chapter edited
 
@@ -908,8 +908,9 @@ def cmd_check(book: Book, numbers: list[int], run: bool, timeout: float) -> int:
 # ---------------------------------------------------------------------------- other commands
 
 
-def regenerate_page(book: Book, ch: Chapter, timeout: float) -> bool:
-    """Rewrite the tree block and the output blocks of chapter N's page; False on failure."""
+def regenerate_page(book: Book, ch: Chapter, timeout: float, force: bool = False) -> bool:
+    """Rewrite the tree block and the output blocks of chapter N's page; False on failure.
+    An output block that still matches after masking is kept unless `force` (new numbers)."""
     lines = read_page(book, ch)
     edits: list[tuple[int, int, list[str]]] = []  # replace lines[a:b] by new lines
     try:
@@ -937,7 +938,7 @@ def regenerate_page(book: Book, ch: Chapter, timeout: float) -> bool:
                 edits.append((i + 1, i + 1, ["```text", *normalise(result.stdout), "```"]))
                 continue
             old = lines[fence.start + 1 : fence.end]
-            if outputs_match("\n".join(old), result.stdout):
+            if not force and outputs_match("\n".join(old), result.stdout):
                 continue
             new = normalise(result.stdout)
             for k, line in enumerate(old[: len(new)]):
@@ -1054,6 +1055,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     sub.choices["build"].add_argument("dir", type=Path, metavar="DIR")
     sub.choices["run"].add_argument("args", nargs=argparse.REMAINDER, help="after --: for main.py")
+    sub.choices["pages"].add_argument(
+        "--force", action="store_true", help="rewrite output blocks even if only numbers changed"
+    )
     sub.choices["check"].add_argument(
         "--no-run", action="store_true", help="skip properties 2, 3, 6 and 7"
     )
@@ -1078,7 +1082,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_check(book, args.n, not args.no_run, args.timeout)
         elif args.command == "pages":
             chapters = [book.get(n) for n in args.n] if args.n else book.chapters
-            ok = [regenerate_page(book, ch, args.timeout) for ch in chapters]
+            ok = [regenerate_page(book, ch, args.timeout, args.force) for ch in chapters]
             return 0 if all(ok) else 1
         elif args.command == "rehash":
             return cmd_rehash(book, args.n)

@@ -5,8 +5,9 @@ import time
 from pathlib import Path
 
 import torch
-from naive import NaiveEngine
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from naive import NaiveEngine
 
 MODEL = Path("models/SmolLM2-135M-Instruct")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three prime numbers:"]

@@ -1,1 +1,1 @@
-"""minisgl: the package the book builds; empty until chapter 1 adds modules (chapter 0)."""
+"""minisgl: the package this book rebuilds, one chapter at a time (chapter 1)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from naive import NaiveEngine, rms_norm, rope
 from reference import assert_aligned, hf_greedy, hf_tokenizer
 
