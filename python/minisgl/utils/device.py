@@ -34,8 +34,12 @@ class NullStream:
 def pick_device(requested: str | None = None) -> torch.device:
     """CUDA when present, else the CPU; never MPS (its float32 is not exact enough to match HF)."""
     if requested:
-        return torch.device(requested)
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device(requested)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)  # an explicit index: torch.cuda.set_device needs one
+    return device
 
 
 def create_stream(device: torch.device) -> torch.cuda.Stream | NullStream:
