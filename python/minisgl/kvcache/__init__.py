@@ -1,13 +1,32 @@
-"""KV cache: the paged pool (chapter 4); prefix caches arrive in chapter 9."""
+"""KV cache: the paged pool (chapter 4) and the prefix caches, radix and naive (chapter 9)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from minisgl.models import ModelConfig
+from minisgl.utils.registry import Registry
 
-from .base import BaseKVCachePool
+from .base import BaseCacheHandle, BaseKVCachePool, BasePrefixCache, InsertResult, SizeInfo
 from .mha_pool import MHAKVCache
+
+PREFIX_CACHES: Registry[Callable[[int, torch.device], BasePrefixCache]] = Registry("cache type")
+
+
+@PREFIX_CACHES.register("radix")
+def _create_radix(page_size: int, device: torch.device) -> BasePrefixCache:
+    from .radix_cache import RadixPrefixCache
+
+    return RadixPrefixCache(page_size, device)
+
+
+@PREFIX_CACHES.register("naive")
+def _create_naive(page_size: int, device: torch.device) -> BasePrefixCache:
+    from .naive_cache import NaivePrefixCache
+
+    return NaivePrefixCache(page_size, device)
 
 
 def create_kvcache_pool(model_config: ModelConfig, num_pages: int, page_size: int,
@@ -16,4 +35,9 @@ def create_kvcache_pool(model_config: ModelConfig, num_pages: int, page_size: in
                       num_pages, page_size, dtype, device)
 
 
-__all__ = ["BaseKVCachePool", "MHAKVCache", "create_kvcache_pool"]
+def create_prefix_cache(cache_type: str, page_size: int, device: torch.device) -> BasePrefixCache:
+    return PREFIX_CACHES[cache_type](page_size, device)
+
+
+__all__ = ["PREFIX_CACHES", "BaseCacheHandle", "BaseKVCachePool", "BasePrefixCache",
+           "InsertResult", "MHAKVCache", "SizeInfo", "create_kvcache_pool", "create_prefix_cache"]

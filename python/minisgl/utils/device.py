@@ -1,8 +1,10 @@
-"""Device abstraction: CUDA streams, events and pinned memory, no-ops on the CPU (chapter 6)."""
+"""Device abstraction: CUDA streams, events and pinned memory, no-ops on the CPU (chapter 6;
+stream contexts for the overlap loop in chapter 11)."""
 
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -77,3 +79,18 @@ def set_cpu_threads(tp_size: int = 1) -> int:
     threads = max(1, physical_cores() // tp_size)
     torch.set_num_threads(threads)
     return threads
+
+
+def stream_context(stream: torch.cuda.Stream | NullStream) -> AbstractContextManager[object]:
+    """`with stream_context(s):` makes s the current CUDA stream; does nothing on the CPU."""
+    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else nullcontext()
+
+
+def set_current_stream(stream: torch.cuda.Stream | NullStream) -> None:
+    if isinstance(stream, torch.cuda.Stream):
+        torch.cuda.set_stream(stream)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
