@@ -1,4 +1,5 @@
-"""CacheManager: KV pages (a free list plus the prefix cache) for the scheduler (chapter 7)."""
+"""CacheManager: the scheduler's KV pages, a free list (chapter 7) plus the prefix cache
+(chapter 9)."""
 
 from __future__ import annotations
 

@@ -133,6 +133,8 @@ class Scheduler:
         return None if batch is None else self._prepare_batch(batch)
 
     def _prepare_batch(self, batch: Batch) -> ForwardInput:
+        logger.debug("%-7s %s", batch.phase,
+                     " ".join(f"{r.uid}+{r.extend_len}" for r in batch.reqs))
         batch.padded_reqs = batch.reqs  # padding to a captured graph size arrives in chapter 18
         self.cache_manager.allocate_paged(batch.reqs)
         pin = pin_memory(self.device)

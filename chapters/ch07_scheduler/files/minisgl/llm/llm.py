@@ -1,0 +1,78 @@
+"""LLM: a Scheduler in offline mode: tokenizes in-process, keeps results in a map (chapter 7)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minisgl.core import SamplingParams
+from minisgl.scheduler import Scheduler, SchedulerConfig
+from minisgl.scheduler.utils import PendingReq, TokenReply
+
+
+class RequestAllFinished(Exception):
+    """Raised by receive_reqs when nothing is left to do: ends run_forever."""
+
+
+@dataclass
+class RequestStatus:
+    input_ids: list[int]
+    ignore_eos: bool
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+class LLM(Scheduler):
+    def __init__(self, model_path: str, dtype: torch.dtype | None = None, **config) -> None:
+        """dtype None: bfloat16 on a GPU, float32 on the CPU. `config` takes the keywords of
+        SchedulerConfig / EngineConfig: max_running_req, page_size,
+        num_page_override, max_seq_len_override, attention_backend, memory_ratio, device, ...
+        (cache_type arrives in chapter 9, max_extend_tokens in chapter 10)"""
+        if dtype is None:
+            on_gpu = config.get("device", "cuda" if torch.cuda.is_available() else "cpu")
+            dtype = torch.bfloat16 if str(on_gpu).startswith("cuda") else torch.float32
+        super().__init__(SchedulerConfig(model_path=model_path, dtype=dtype, **config))
+        self.queue: list[PendingReq] = []
+        self.status: dict[int, RequestStatus] = {}
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams],
+                 ) -> list[dict[str, str | list[int]]]:
+        """Generate for every prompt (text, or token ids); one dict per prompt, in order, with
+        the output `text` and `token_ids` (the EOS token that ended it is left out)."""
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
+        ids = [self._tokenize(p) for p in prompts]
+        self.queue = [PendingReq(uid, x, sp)
+                      for uid, (x, sp) in enumerate(zip(ids, sampling_params))]
+        self.status = {uid: RequestStatus(x.tolist(), sp.ignore_eos)
+                       for uid, (x, sp) in enumerate(zip(ids, sampling_params))}
+        try:
+            self.run_forever()
+        except RequestAllFinished:
+            pass
+        self.cache_manager.check_integrity()  # idle: every page is free or cached
+        return [{"text": self.tokenizer.decode(s.output_ids), "token_ids": s.output_ids}
+                for s in self.status.values()]
+
+    def _tokenize(self, prompt: str | list[int]) -> torch.Tensor:
+        if isinstance(prompt, str):
+            return torch.tensor(self.tokenizer.encode(prompt), dtype=torch.int32)
+        return torch.tensor(prompt, dtype=torch.int32)
+
+    def receive_reqs(self, blocking: bool) -> list[PendingReq]:
+        if blocking and not self.queue:
+            raise RequestAllFinished
+        reqs, self.queue = self.queue, []
+        return reqs
+
+    def send_result(self, replies: list[TokenReply]) -> None:
+        for r in replies:
+            status = self.status[r.uid]
+            stopped_by_eos = r.next_token == self.eos_token_id and not status.ignore_eos
+            if not (r.finished and stopped_by_eos):
+                status.output_ids.append(r.next_token)
+            status.finished = r.finished

@@ -1,0 +1,33 @@
+"""DecodeManager: the running requests, decoded together every step (chapter 7)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from minisgl.core import Batch, Req
+
+
+class DecodeManager:
+    def __init__(self) -> None:
+        self.running: dict[int, Req] = {}  # uid -> request
+
+    def filter_reqs(self, reqs: Iterable[Req]) -> None:
+        """After a batch is launched: its requests that may still decode join (or stay in) the
+        running set; the ones that reached their length limit leave."""
+        for req in reqs:
+            if req.can_decode:
+                self.running[req.uid] = req
+            else:
+                self.running.pop(req.uid, None)
+
+    def remove_req(self, req: Req) -> None:
+        self.running.pop(req.uid, None)
+
+    def schedule_next_batch(self) -> Batch | None:
+        if not self.running:
+            return None
+        return Batch([self.running[uid] for uid in sorted(self.running)], "decode")
+
+    @property
+    def runnable(self) -> bool:
+        return bool(self.running)
