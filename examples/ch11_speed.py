@@ -127,8 +127,8 @@ def main() -> None:
     medians = {}
     for name, ts in times.items():
         medians[name] = statistics.median(ts)
-        print(f"  {name:<44} {medians[name]:6.2f} s (min {min(ts):.2f} s, max {max(ts):.2f} s)"
-              f"  {n_new / medians[name]:6.1f} tok/s")
+        print(f"  {name:<44}  {medians[name]:.2f} s (min {min(ts):.2f} s, max {max(ts):.2f} s),"
+              f" {n_new / medians[name]:.1f} tok/s")
     ours, one, batched = medians.values()
     print(f"HF one prompt at a time / minisgl: {one / ours:.2f}x")
     print(f"HF left-padded batch / minisgl:    {batched / ours:.2f}x")

@@ -11,7 +11,6 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -379,6 +378,7 @@ class RadixMachine(RuleBasedStateMachine):
     are handed out fresh from a counter, so each one must end up in exactly one place."""
 
     cache_cls: type[RadixPrefixCache] = RadixPrefixCache
+    page_sizes = (1, 2, 4)
 
     def __init__(self) -> None:
         super().__init__()
@@ -389,29 +389,33 @@ class RadixMachine(RuleBasedStateMachine):
         self.evicted: list[int] = []  # slots evict() gave back
         self.spare: list[int] = []  # slots insert did not keep: already cached, or a part page
         self.held: list[tuple[RadixCacheHandle, list[int]]] = []  # locked, with their slots
-        self.seen: list[list[int]] = []  # sequences used so far, to derive collisions from
+        self.seen: list[list[int]] = []  # sequences inserted so far, to derive others from
 
-    @initialize(page_size=st.sampled_from([1, 2, 4]))
-    def setup(self, page_size: int) -> None:
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        page_size = data.draw(st.sampled_from(self.page_sizes), label="page_size")
         self.ps = page_size
         self.cache = self.cache_cls(page_size, CPU)
 
     def _tokens(self, data: st.DataObject) -> list[int]:
+        """0..24 tokens; often a prefix of an inserted sequence with a new tail, so that
+        matches and inserts meet the tree's edges at every depth."""
+        n = data.draw(st.integers(0, 24), label="length")
+        base: list[int] = []
         if self.seen and data.draw(st.booleans(), label="reuse"):
-            base = data.draw(st.sampled_from(self.seen), label="base")
+            base = data.draw(st.sampled_from(self.seen), label="base")[:n]
             base = base[: data.draw(st.integers(0, len(base)), label="cut")]
-        else:
-            base = []
-        tokens = base + data.draw(st.lists(ALPHABET, max_size=24 - len(base)), label="tail")
-        self.seen.append(tokens)
-        return tokens
+        tail = data.draw(st.lists(ALPHABET, min_size=n - len(base), max_size=n - len(base)),
+                         label="tail")
+        return base + tail
 
     def _expected_len(self, tokens: list[int]) -> int:
         """Brute force: the longest page-aligned prefix of `tokens` that is a cached prefix."""
         return max((len(k) for k in self.model if tuple(tokens[: len(k)]) == k), default=0)
 
     def _expected_slots(self, tokens: list[int], n: int) -> list[int]:
-        return [s for end in range(self.ps, n + 1, self.ps) for s in self.model[tuple(tokens[:end])]]
+        pages = [self.model[tuple(tokens[:end])] for end in range(self.ps, n + 1, self.ps)]
+        return [s for page in pages for s in page]
 
     @rule(data=st.data(), lock=st.booleans())
     def insert(self, data: st.DataObject, lock: bool) -> None:
@@ -421,6 +425,7 @@ class RadixMachine(RuleBasedStateMachine):
         kept = len(tokens) // self.ps * self.ps
         before = self._expected_len(tokens[:kept])
         result = self.cache.insert_prefix(ids(*tokens), ids(*slots))
+        self.seen.append(tokens)
         assert result.cached_len == before, (result.cached_len, before)
         assert result.handle.cached_len == kept
         for end in range(before + self.ps, kept + 1, self.ps):
@@ -444,9 +449,10 @@ class RadixMachine(RuleBasedStateMachine):
             self.cache.lock_handle(handle)
             self.held.append((handle, expected))
 
-    @precondition(lambda self: self.held)
     @rule(data=st.data())
     def unlock(self, data: st.DataObject) -> None:
+        if not self.held:
+            return
         i = data.draw(st.integers(0, len(self.held) - 1), label="which")
         handle, _ = self.held.pop(i)
         self.cache.lock_handle(handle, unlock=True)
@@ -454,7 +460,7 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def evict(self, data: st.DataObject) -> None:
         evictable = self.cache.size_info.evictable_size
-        size = data.draw(st.integers(0, evictable), label="size")
+        size = data.draw(st.integers(min(1, evictable), evictable), label="size")  # 0 if none
         out = self.cache.evict(size).tolist()
         assert len(out) >= size
         assert self.cache.size_info.evictable_size == evictable - len(out)
@@ -502,10 +508,18 @@ class RadixMachine(RuleBasedStateMachine):
         cache.check_integrity()
 
 
-RADIX_SETTINGS = settings(max_examples=60, stateful_step_count=30, derandomize=True,
+RADIX_SETTINGS = settings(max_examples=30, stateful_step_count=30, derandomize=True,
                           deadline=None, database=None)
-RadixMachine.TestCase.settings = RADIX_SETTINGS
-TestRadixMachine = RadixMachine.TestCase
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_radix_cache_against_a_model(page_size: int) -> None:
+    """One run per page size, so that each gets its share of examples."""
+
+    class Machine(RadixMachine):
+        page_sizes = (page_size,)
+
+    run_state_machine_as_test(Machine, settings=RADIX_SETTINGS)
 
 
 class ForgetfulRadix(RadixPrefixCache):
@@ -647,8 +661,9 @@ class ManagerMachine(RuleBasedStateMachine):
     every page must be in exactly one place: free, in the cache, or owned by one request."""
 
     manager_cls: type[CacheManager] = CacheManager
+    page_sizes, cache_types = (1, 4), ("radix", "naive")
     rows, cols = 4, 32
-    capacity = 64  # tokens: 64 pages of 1, or 16 pages of 4
+    capacity = 32  # tokens: 32 pages of 1, or 8 pages of 4
 
     def __init__(self) -> None:
         super().__init__()
@@ -661,8 +676,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.extent: dict[int, int] = {}  # uid -> positions of its row that have pages
         self.uid = 0
 
-    @initialize(page_size=st.sampled_from([1, 4]), cache_type=st.sampled_from(["radix", "naive"]))
-    def setup(self, page_size: int, cache_type: str) -> None:
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        page_size = data.draw(st.sampled_from(self.page_sizes), label="page_size")
+        cache_type = data.draw(st.sampled_from(self.cache_types), label="cache_type")
         self.ps, self.num_pages = page_size, self.capacity // page_size
         self.mgr = self.manager_cls(self.num_pages, page_size, self.page_table, cache_type)
 
@@ -692,10 +709,12 @@ class ManagerMachine(RuleBasedStateMachine):
     def prefill(self, data: st.DataObject, n: int) -> None:
         """Admit up to n requests into one batch, as PrefillAdder does, and run it."""
         reserved, batch = self._reserved(), []
+        prompt: list[int] = []
         for _ in range(n):
             if not self.free_rows:
                 break
-            prompt = data.draw(prompts(), label="prompt")
+            if not (prompt and data.draw(st.booleans(), label="same prompt again")):
+                prompt = data.draw(prompts(), label="prompt")
             out_len = data.draw(st.integers(1, 8), label="output_len")
             params = SamplingParams(max_tokens=out_len, ignore_eos=True)
             pending = PendingReq(self.uid, ids(*prompt), params)
@@ -721,17 +740,19 @@ class ManagerMachine(RuleBasedStateMachine):
             self.mgr.cache_req(req, finished=False)
         self._sampled(batch, data)
 
-    @precondition(lambda self: self.running)
     @rule(data=st.data())
     def decode(self, data: st.DataObject) -> None:
+        if not self.running:
+            return
         batch = [self.running[uid] for uid in sorted(self.running)]
         self._forward(batch)
         self._sampled(batch, data)
 
-    @precondition(lambda self: self.running)
     @rule(data=st.data())
     def stop_early(self, data: st.DataObject) -> None:
         """An EOS: the request finishes before its budget is used up."""
+        if not self.running:
+            return
         self._finish(self.running[data.draw(st.sampled_from(sorted(self.running)))])
 
     @invariant()
@@ -769,10 +790,17 @@ class ManagerMachine(RuleBasedStateMachine):
             mgr.check_integrity()
 
 
-MANAGER_SETTINGS = settings(max_examples=60, stateful_step_count=25, derandomize=True,
+MANAGER_SETTINGS = settings(max_examples=25, stateful_step_count=40, derandomize=True,
                             deadline=None, database=None)
-ManagerMachine.TestCase.settings = MANAGER_SETTINGS
-TestManagerMachine = ManagerMachine.TestCase
+
+
+@pytest.mark.parametrize("cache_type", ["radix", "naive"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cache_manager_pages_are_conserved(page_size: int, cache_type: str) -> None:
+    class Machine(ManagerMachine):
+        page_sizes, cache_types = (page_size,), (cache_type,)
+
+    run_state_machine_as_test(Machine, settings=MANAGER_SETTINGS)
 
 
 class LeakyManager(CacheManager):

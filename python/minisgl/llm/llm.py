@@ -26,9 +26,9 @@ class RequestStatus:
 class LLM(Scheduler):
     def __init__(self, model_path: str, dtype: torch.dtype | None = None, **config) -> None:
         """dtype None: bfloat16 on a GPU, float32 on the CPU. `config` takes the keywords of
-        SchedulerConfig / EngineConfig: max_running_req, page_size, cache_type,
-        max_extend_tokens, num_page_override, max_seq_len_override, attention_backend,
-        memory_ratio, device, ..."""
+        SchedulerConfig and EngineConfig: max_running_req, page_size, num_page_override,
+        max_seq_len_override, attention_backend, memory_ratio, device, seed, and from chapters
+        9 and 10 on cache_type and max_extend_tokens."""
         if dtype is None:
             on_gpu = config.get("device", "cuda" if torch.cuda.is_available() else "cpu")
             dtype = torch.bfloat16 if str(on_gpu).startswith("cuda") else torch.float32
