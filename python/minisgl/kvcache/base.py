@@ -69,8 +69,9 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def match_prefix(self, input_ids: torch.Tensor) -> BaseCacheHandle:
-        """The longest cached page-aligned prefix of input_ids. Changes nothing; its slots are
-        safe to use only once the handle is locked."""
+        """The longest cached page-aligned prefix of input_ids. Adds and removes nothing (it may
+        split a node and marks what it touched as recently used); the slots are safe to use only
+        once the handle is locked."""
 
     @abstractmethod
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:

@@ -133,7 +133,9 @@ class RadixPrefixCache(BasePrefixCache):
                 problems.append(f"length {node.length} is not a positive multiple of a page")
             if len(node.value) != node.length:
                 problems.append(f"{len(node.value)} slots for {node.length} tokens")
-            if node.ref_count < 0 or node.ref_count > node.parent.ref_count:
+            # a lock counts every node from the handle's up to (not including) the root
+            parent_refs = node.parent.ref_count if node.parent.parent is not None else None
+            if node.ref_count < 0 or (parent_refs is not None and node.ref_count > parent_refs):
                 problems.append(f"ref count {node.ref_count}, parent's {node.parent.ref_count}")
             if node.parent.children.get(self._child_key(node.key)) is not node:
                 problems.append("not found under its first page in its parent")

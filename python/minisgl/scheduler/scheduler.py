@@ -157,15 +157,17 @@ class Scheduler:
         if batch.is_prefill:
             self.stats.prefill_batches += 1
             self.stats.prefill_tokens += sum(r.extend_len for r in batch.reqs)
-            self.stats.cached_tokens += sum(r.cache_handle.cached_len for r in batch.reqs
-                                            if r.cache_handle.cached_len == r.cached_len)
+            # a prompt's first part starts right after its cached prefix; the later parts of a
+            # chunked prompt start further on and found nothing new in the cache
+            self.stats.cached_tokens += sum(r.cached_len for r in batch.reqs
+                                            if r.cached_len == r.cache_handle.cached_len)
         else:
             self.stats.decode_batches += 1
         output = self.engine.forward_batch(batch, forward_input.sample_args)
         self.token_pool[forward_input.write_indices] = output.next_tokens_device
         self.decode_manager.filter_reqs(batch.reqs)
         if batch.is_prefill:  # the prompts' K/V go into the prefix cache at once, so the next
-            for req in batch.reqs:  # batch's requests can match them (chapter 9)
+            for req in batch.reqs:  # batch's requests can match them
                 if not isinstance(req, ChunkedReq):
                     self.cache_manager.cache_req(req, finished=False)
         return output
