@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 
-MODEL = Path("models/SmolLM2-135M-Instruct")
+# another model folder may be given: `python main.py models/tiny-qwen3` (on a GPU machine, say)
+MODEL = Path(sys.argv[1] if len(sys.argv) > 1 else "models/SmolLM2-135M-Instruct")
 SYSTEM = (
     "You are the assistant of a small bakery in a seaside town. The bakery opens at seven in the "
     "morning and closes at six in the evening, every day except Monday, when the bakers rest. "
@@ -52,7 +53,8 @@ def main() -> None:
     runs, computed = {}, {}
     for cache_type, overlap in (("radix", True), ("naive", True), ("radix", False)):
         os.environ["MINISGL_DISABLE_OVERLAP_SCHEDULING"] = "0" if overlap else "1"
-        llm = LLM(str(MODEL), cache_type=cache_type, num_page_override=4096)
+        # float32 everywhere, on a GPU too, so that HF float32 is the exact reference
+        llm = LLM(str(MODEL), dtype=torch.float32, cache_type=cache_type, num_page_override=4096)
         outputs = llm.generate(prompts, greedy)
         s = llm.stats
         print(f"{cache_type}, overlap {'on ' if overlap else 'off'}: {s.prefill_batches} prefill "
@@ -62,6 +64,7 @@ def main() -> None:
         computed[cache_type, overlap] = s.prefill_tokens
         llm.shutdown()
     ratio = computed["radix", True] / computed["naive", True]
+    print(f"LLM ran on {llm.device}")
     print(f"radix computes {ratio:.3f} of naive's prefill tokens (at most 1/4: {ratio <= 0.25})")
 
     hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -23,6 +24,7 @@ def make_llm() -> Iterator:
     made: list[LLM] = []
 
     def make(path: Path, **config) -> LLM:
+        config.setdefault("dtype", torch.float32)  # also on a GPU: compared with HF float32
         made.append(LLM(str(path), **config))
         return made[-1]
 

@@ -25,6 +25,7 @@ def make_llm() -> Iterator:
 
     def make(path: Path, **config) -> LLM:
         config.setdefault("num_page_override", 512)
+        config.setdefault("dtype", torch.float32)  # also on a GPU: compared with HF float32
         made.append(LLM(str(path), **config))
         return made[-1]
 

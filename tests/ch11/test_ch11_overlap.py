@@ -41,6 +41,7 @@ def make_llm(monkeypatch) -> Iterator:
     def make(path: Path, overlap: bool = True, **config) -> LLM:
         monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
         config.setdefault("num_page_override", 512)
+        config.setdefault("dtype", torch.float32)  # also on a GPU: compared with HF float32
         made.append(LLM(str(path), **config))
         assert made[-1].overlap == overlap
         return made[-1]
@@ -149,7 +150,7 @@ def test_cuda_float32_equals_hf(overlap: bool, model_dir, make_llm) -> None:
     """On a GPU: real streams, events and pinned memory; float32 greedy equals HF (CPU)."""
     path = model_dir("tiny-qwen3")
     prompts = shared_prefix_prompts()
-    llm = make_llm(path, overlap=overlap, dtype=torch.float32, device="cuda", page_size=4)
+    llm = make_llm(path, overlap=overlap, device="cuda", page_size=4)
     assert llm.device.type == "cuda" and isinstance(llm.stream, torch.cuda.Stream)
     out = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
     assert out == [hf_greedy(path, p, 10)[0] for p in prompts]
