@@ -1,6 +1,8 @@
-"""GPU checks in one run (chapter 6 so far): the stage-1 Engine on CUDA against HF, float32.
+"""GPU checks in one run (chapters 6 and 11): the Engine and the stage-2 LLM on CUDA against HF,
+and a speed comparison with HF on a Qwen3-0.6B-shaped model.
 
-    python tools/gpu_check.py            # on a machine with CUDA and models/tiny-* made
+    python tools/gpu_check.py stage1 align bf16     # on a machine with CUDA and models/tiny-* made
+    python tools/gpu_check.py speed --model /tmp/q06 # a model made by tools/models.py random
 
 Prints one line per check and a summary; exits 1 if any check fails. CI has no GPU and never
 runs this; the book records its output with the machine and date.
@@ -8,8 +10,13 @@ runs this; the book records its output with the machine and date.
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import os
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,11 +27,19 @@ import transformers  # noqa: E402
 
 from minisgl.core import SamplingParams  # noqa: E402
 from minisgl.engine import Engine, EngineConfig  # noqa: E402
+from minisgl.llm import LLM  # noqa: E402
 
 from skeleton import HandBatcher  # noqa: E402
 
 MODELS = ["tiny-qwen3", "tiny-llama", "tiny-qwen2", "tiny-mistral"]
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(40, 72)), [11, 12]]
+BF16_TOL = 2e-2  # relative logits error allowed in bfloat16
+
+
+def hf_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> tuple[list[int], list]:
@@ -34,39 +49,204 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> tuple[list[int]
     return out.sequences[0, len(ids):].tolist(), [t[0].float() for t in out.logits]
 
 
-def check_engine(name: str) -> list[str]:
+def spy_logits(engine: Engine) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    sample = engine.sampler.sample
+    engine.sampler.sample = lambda logits, args: (seen.append(logits.float().clone()),  # type: ignore
+                                                  sample(logits, args))[1]
+    return seen
+
+
+def check_stage1(name: str) -> list[str]:
+    """Chapter 6's Engine with hand-filled batches, float32, four requests in one batch."""
     path = ROOT / "models" / name
     engine = Engine(EngineConfig(str(path), dtype=torch.float32, num_page_override=256,
                                  max_running_req=8, page_size=4))
     assert engine.device.type == "cuda", engine.device
-    seen: list[torch.Tensor] = []
-    sample = engine.sampler.sample
-    engine.sampler.sample = lambda logits, args: (seen.append(logits.clone()),  # type: ignore
-                                                  sample(logits, args))[1]
-    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
-    ours = HandBatcher(engine).generate(PROMPTS, greedy)
+    seen = spy_logits(engine)
+    ours = HandBatcher(engine).generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
     engine.shutdown()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
-    hf.generation_config.eos_token_id = None
+    hf = hf_model(path, torch.float32)
     lines = []
     for i, (ids, tokens) in enumerate(zip(PROMPTS, ours)):
         ref, ref_logits = hf_greedy(hf, ids, 16)
         worst = max(float((s[i] - r).abs().max()) for s, r in zip(seen, ref_logits))
         ok = tokens == ref and worst <= 1e-3
-        lines.append(f"{'ok  ' if ok else 'FAIL'} {name} request {i} ({len(ids)} tokens, in a "
-                     f"batch of 4): same 16 tokens as HF {tokens == ref}, max |dlogit| {worst:.1e}")
+        lines.append(f"{'ok  ' if ok else 'FAIL'} stage1 {name} request {i} ({len(ids)} tokens, "
+                     f"in a batch of 4): same 16 tokens as HF {tokens == ref}, "
+                     f"max |dlogit| {worst:.1e}")
+    return lines
+
+
+def shared_prefix_prompts(n: int, prefix_len: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 500, (prefix_len,), generator=g).tolist()
+    return [prefix + torch.randint(3, 500, (8 + i % 3,), generator=g).tolist() for i in range(n)]
+
+
+def make_llm(path: Path, overlap: bool, **config) -> LLM:
+    os.environ["MINISGL_DISABLE_OVERLAP_SCHEDULING"] = "0" if overlap else "1"
+    llm = LLM(str(path), **config)
+    assert llm.device.type == "cuda" and llm.overlap == overlap
+    assert isinstance(llm.stream, torch.cuda.Stream)
+    return llm
+
+
+def check_align(name: str) -> list[str]:
+    """The stage-2 LLM on CUDA, float32: 8 requests with a shared prefix, overlap on and off,
+    radix and naive, page size 4, two running at a time: the same tokens as HF."""
+    path = ROOT / "models" / name
+    prompts = shared_prefix_prompts(8, 64, seed=0)
+    hf = hf_model(path, torch.float32)
+    refs = [hf_greedy(hf, p, 12)[0] for p in prompts]
+    del hf
+    lines = []
+    for overlap in (True, False):
+        for cache_type, mrr in (("radix", 16), ("naive", 2)):
+            llm = make_llm(path, overlap, dtype=torch.float32, cache_type=cache_type,
+                           page_size=4, max_running_req=mrr, num_page_override=512)
+            out = [o["token_ids"] for o in llm.generate(
+                prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+            computed = llm.stats.prefill_tokens
+            llm.shutdown()
+            same = sum(o == r for o, r in zip(out, refs))
+            lines.append(f"{'ok  ' if same == 8 else 'FAIL'} align {name} float32 overlap "
+                         f"{'on ' if overlap else 'off'} {cache_type} max_running_req {mrr}: "
+                         f"{same}/8 equal HF, {computed} prompt tokens computed")
+    return lines
+
+
+def check_bf16(path: Path, label: str) -> list[str]:
+    """bfloat16 on CUDA: our logits at every step, teacher-forced on our own tokens, against
+    HF's logits for the same tokens (HF bfloat16, and HF float32 for scale)."""
+    ids = shared_prefix_prompts(1, 40, seed=1)[0]
+    llm = make_llm(path, True, dtype=torch.bfloat16, num_page_override=256)
+    seen = spy_logits(llm.engine)
+    tokens = llm.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0]["token_ids"]
+    llm.shutdown()
+    x = torch.tensor([ids + tokens[:-1]], device="cuda")
+    refs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        hf = hf_model(path, dtype)
+        with torch.no_grad():
+            refs[dtype] = hf(x).logits[0, len(ids) - 1 :].float()
+        del hf
+    ours = [s[0] for s in seen]
+    hf_bf16 = list(refs[torch.bfloat16])
+    lines = []
+    for what, a, b, limit in (("ours bf16 vs HF bf16", ours, hf_bf16, BF16_TOL),
+                              ("ours bf16 vs HF fp32", ours, refs[torch.float32], None),
+                              ("HF bf16 vs HF fp32 (baseline)", hf_bf16, refs[torch.float32],
+                               None)):
+        errs = [float((p - r).norm() / r.norm()) for p, r in zip(a, b)]
+        ok = limit is None or max(errs) <= limit
+        mark = "info" if limit is None else "ok  " if ok else "FAIL"
+        lines.append(f"{mark} bf16 {label}: {what}, 16 steps teacher-forced: "
+                     f"max relative error {max(errs):.2e}, median {statistics.median(errs):.2e}"
+                     + ("" if limit is None else f" (limit {limit:g})"))
+    return lines
+
+
+def timed(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def check_speed(path: Path, n: int) -> list[str]:
+    """64 requests, input and output lengths uniform in 100..512 (seed 0), bfloat16: our
+    LLM.generate (overlap on and off) against HF continuous batching and padded generate."""
+    g = torch.Generator().manual_seed(0)
+    in_lens = torch.randint(100, 513, (n,), generator=g).tolist()
+    out_lens = torch.randint(100, 513, (n,), generator=g).tolist()
+    vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
+    prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in in_lens]
+    useful = sum(out_lens)
+    lines = [f"speed workload: {n} requests, prompts {sum(in_lens)} tokens, outputs {useful} "
+             f"tokens (max {max(out_lens)}), bfloat16, {path.name}"]
+
+    def row(label: str, seconds: float, extra: str = "") -> str:
+        return (f"  {label:<40} {seconds:7.1f} s  {useful / seconds:8.0f} output tok/s" + extra)
+
+    for overlap in (True, False):
+        llm = make_llm(path, overlap, dtype=torch.bfloat16)
+        params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in out_lens]
+        llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        seconds = timed(lambda llm=llm, params=params: llm.generate(prompts, params))
+        got = sum(len(o["token_ids"]) for o in llm.generate(prompts[:2], params[:2]))
+        llm.shutdown()
+        assert got == sum(out_lens[:2])
+        lines.append(row(f"ours LLM.generate, overlap {'on' if overlap else 'off'}", seconds,
+                         f", {llm.stats.decode_batches} decode batches"))
+        torch.cuda.empty_cache()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    hf.eval()
+    gc = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                                       max_new_tokens=max(out_lens))
+    try:  # continuous batching with each request's own output length
+        def hf_cb() -> None:
+            manager = hf.init_continuous_batching(generation_config=gc)
+            manager.start()
+            ids = [manager.add_request(p, max_new_tokens=k) for p, k in zip(prompts, out_lens)]
+            done = 0
+            while done < len(ids):
+                result = manager.get_result(timeout=60)
+                if result is not None and result.is_finished():
+                    done += 1
+            manager.stop(block=True)
+
+        hf_cb()  # warm-up (and its CUDA graphs, if any)
+        lines.append(row("HF continuous batching (generate_batch)", timed(hf_cb)))
+    except Exception as exc:  # noqa: BLE001 (report what failed, keep measuring the rest)
+        lines.append(f"  HF continuous batching failed: {type(exc).__name__}: {exc}"[:300])
+    torch.cuda.empty_cache()
+
+    # padded generate: all 64 in one batch, left padding, every row runs to the longest output
+    width = max(in_lens)
+    x = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        x[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    x, mask = x.cuda(), mask.cuda()
+    hf.generate(x[:4, -16:], attention_mask=mask[:4, -16:], max_new_tokens=8,
+                generation_config=gc)  # warm-up
+    seconds = timed(lambda: hf.generate(x, attention_mask=mask, generation_config=gc))
+    lines.append(row("HF generate, one padded batch", seconds,
+                     f" (computes {n * max(out_lens)} output tokens)"))
     return lines
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checks", nargs="+", choices=["stage1", "align", "bf16", "speed"])
+    parser.add_argument("--model", type=Path, help="a Qwen3-0.6B-shaped model (bf16, speed)")
+    parser.add_argument("--requests", type=int, default=64)
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this script is for a GPU machine")
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, transformers "
           f"{transformers.__version__}; date {datetime.date.today()}")
-    lines = [line for name in MODELS for line in check_engine(name)]
+    lines: list[str] = []
+    for check in args.checks:
+        if check == "stage1":
+            lines += [line for name in MODELS for line in check_stage1(name)]
+        elif check == "align":
+            lines += [line for name in MODELS for line in check_align(name)]
+        elif check == "bf16":
+            lines += check_bf16(ROOT / "models" / "tiny-qwen3", "tiny-qwen3")
+            if args.model:
+                lines += check_bf16(args.model, args.model.name)
+        elif check == "speed":
+            lines += check_speed(args.model, args.requests)
+        print("\n".join(lines[-1:]), flush=True)
     print("\n".join(lines))
     failed = sum(line.startswith("FAIL") for line in lines)
-    print(f"summary: {len(lines) - failed} ok, {failed} failed")
+    checked = sum(line.startswith(("ok", "FAIL")) for line in lines)
+    print(f"summary: {checked - failed} ok, {failed} failed")
     sys.exit(1 if failed else 0)
 
 

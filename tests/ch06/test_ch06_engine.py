@@ -46,7 +46,7 @@ def record_logits(engine: Engine) -> list[torch.Tensor]:
     sample = engine.sampler.sample
 
     def spy(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
-        seen.append(logits.detach().clone())
+        seen.append(logits.detach().float().cpu())  # HF's reference logits are on the CPU
         return sample(logits, args)
 
     engine.sampler.sample = spy  # type: ignore[method-assign]
