@@ -99,7 +99,6 @@ def check_align(name: str) -> list[str]:
     prompts = shared_prefix_prompts(8, 64, seed=0)
     hf = hf_model(path, torch.float32)
     refs = [hf_greedy(hf, p, 12)[0] for p in prompts]
-    del hf
     lines = []
     for overlap in (True, False):
         for cache_type, mrr in (("radix", 16), ("naive", 2)):
@@ -157,7 +156,8 @@ def timed(fn: Callable[[], object]) -> float:
 
 def check_speed(path: Path, n: int) -> list[str]:
     """64 requests, input and output lengths uniform in 100..512 (seed 0), bfloat16: our
-    LLM.generate (overlap on and off) against HF continuous batching and padded generate."""
+    LLM.generate against HF padded generate and HF continuous batching; each row is printed
+    as soon as it is measured."""
     g = torch.Generator().manual_seed(0)
     in_lens = torch.randint(100, 513, (n,), generator=g).tolist()
     out_lens = torch.randint(100, 513, (n,), generator=g).tolist()
@@ -166,45 +166,31 @@ def check_speed(path: Path, n: int) -> list[str]:
     useful = sum(out_lens)
     lines = [f"speed workload: {n} requests, prompts {sum(in_lens)} tokens, outputs {useful} "
              f"tokens (max {max(out_lens)}), bfloat16, {path.name}"]
+    print(lines[0], flush=True)
 
-    def row(label: str, seconds: float, extra: str = "") -> str:
-        return (f"  {label:<40} {seconds:7.1f} s  {useful / seconds:8.0f} output tok/s" + extra)
+    def row(label: str, seconds: float, extra: str = "") -> None:
+        lines.append(f"  {label:<42} {seconds:7.1f} s  {useful / seconds:8.0f} output tok/s"
+                     + extra)
+        print(lines[-1], flush=True)
 
-    for overlap in (True, False):
+    def ours(overlap: bool) -> None:
         llm = make_llm(path, overlap, dtype=torch.bfloat16)
         params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in out_lens]
         llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        seconds = timed(lambda llm=llm, params=params: llm.generate(prompts, params))
-        got = sum(len(o["token_ids"]) for o in llm.generate(prompts[:2], params[:2]))
+        decode_before = llm.stats.decode_batches
+        seconds = timed(lambda: llm.generate(prompts, params))
+        steps = llm.stats.decode_batches - decode_before
         llm.shutdown()
-        assert got == sum(out_lens[:2])
-        lines.append(row(f"ours LLM.generate, overlap {'on' if overlap else 'off'}", seconds,
-                         f", {llm.stats.decode_batches} decode batches"))
+        row(f"ours LLM.generate, overlap {'on' if overlap else 'off'}", seconds,
+            f", {steps} decode steps, {seconds / steps * 1e3:.0f} ms per step")
         torch.cuda.empty_cache()
 
+    ours(True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     hf.eval()
     gc = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
                                        max_new_tokens=max(out_lens))
-    try:  # continuous batching with each request's own output length
-        def hf_cb() -> None:
-            manager = hf.init_continuous_batching(generation_config=gc)
-            manager.start()
-            ids = [manager.add_request(p, max_new_tokens=k) for p, k in zip(prompts, out_lens)]
-            done = 0
-            while done < len(ids):
-                result = manager.get_result(timeout=60)
-                if result is not None and result.is_finished():
-                    done += 1
-            manager.stop(block=True)
-
-        hf_cb()  # warm-up (and its CUDA graphs, if any)
-        lines.append(row("HF continuous batching (generate_batch)", timed(hf_cb)))
-    except Exception as exc:  # noqa: BLE001 (report what failed, keep measuring the rest)
-        lines.append(f"  HF continuous batching failed: {type(exc).__name__}: {exc}"[:300])
-    torch.cuda.empty_cache()
-
-    # padded generate: all 64 in one batch, left padding, every row runs to the longest output
+    # padded generate: all requests in one batch, left padding, every row runs to the longest
     width = max(in_lens)
     x = torch.zeros((n, width), dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.long)
@@ -212,11 +198,39 @@ def check_speed(path: Path, n: int) -> list[str]:
         x[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     x, mask = x.cuda(), mask.cuda()
-    hf.generate(x[:4, -16:], attention_mask=mask[:4, -16:], max_new_tokens=8,
-                generation_config=gc)  # warm-up
+    warm = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                                         max_new_tokens=8)
+    hf.generate(x[:4, -16:], attention_mask=mask[:4, -16:], generation_config=warm)
     seconds = timed(lambda: hf.generate(x, attention_mask=mask, generation_config=gc))
-    lines.append(row("HF generate, one padded batch", seconds,
-                     f" (computes {n * max(out_lens)} output tokens)"))
+    row("HF generate, one left-padded batch", seconds,
+        f" (computes {n * max(out_lens)} output tokens)")
+    torch.cuda.empty_cache()
+
+    def hf_cb(reqs: list[list[int]], lens: list[int], deadline: float) -> None:
+        """transformers' continuous batching, each request with its own output length."""
+        manager = hf.init_continuous_batching(generation_config=gc)
+        manager.start()
+        try:
+            ids = [manager.add_request(p, max_new_tokens=k) for p, k in zip(reqs, lens)]
+            done = 0
+            while done < len(ids):
+                if time.perf_counter() > deadline or not manager.is_running():
+                    raise RuntimeError(f"stopped after {done}/{len(ids)} requests")
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    done += 1
+        finally:
+            manager.stop(block=True)
+
+    try:
+        hf_cb(prompts[:4], [8] * 4, time.perf_counter() + 60)  # warm-up
+        seconds = timed(lambda: hf_cb(prompts, out_lens, time.perf_counter() + 150))
+        row("HF continuous batching (init_continuous_batching)", seconds)
+    except Exception as exc:  # noqa: BLE001 (report what failed, keep the other rows)
+        lines.append(f"  HF continuous batching failed: {type(exc).__name__}: {exc}"[:300])
+        print(lines[-1], flush=True)
+    torch.cuda.empty_cache()
+    ours(False)
     return lines
 
 

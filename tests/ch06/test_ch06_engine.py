@@ -106,7 +106,8 @@ def test_engine_memory_layout(model_dir, make_engine) -> None:
     path = model_dir("tiny-qwen3")
     cfg = json.loads((path / "config.json").read_text())
     budget = 3 << 20
-    engine = make_engine(path, num_page_override=None, cpu_kv_cache_bytes=budget, page_size=4)
+    engine = make_engine(path, num_page_override=None, cpu_kv_cache_bytes=budget, page_size=4,
+                         device="cpu")  # cpu_kv_cache_bytes sizes the pool on the CPU only
     page_bytes = 2 * cfg["num_hidden_layers"] * 4 * cfg["num_key_value_heads"] * 32 * 4
     assert engine.num_pages == budget // page_bytes
     buffer = engine.kv_cache._buffer  # type: ignore[attr-defined]
