@@ -27,7 +27,7 @@ def main() -> None:
     if not (MODEL / "config.json").is_file():
         sys.exit(f"{MODEL} is missing: run `python tools/models.py smollm2` in the repository root")
     # the scheduler logs every batch it builds: phase, then uid+new tokens of each request
-    logging.basicConfig(format="%(message)s")
+    logging.basicConfig(format="%(message)s", stream=sys.stdout)  # the batch log, in order
     logging.getLogger("minisgl.scheduler").setLevel(logging.DEBUG)
 
     llm = LLM(str(MODEL), max_running_req=3, num_page_override=512)

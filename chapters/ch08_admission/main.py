@@ -25,7 +25,7 @@ PROMPTS = [
 def main() -> None:
     if not (MODEL / "config.json").is_file():
         sys.exit(f"{MODEL} is missing: run `python tools/models.py smollm2` in the repository root")
-    logging.basicConfig(format="%(message)s")
+    logging.basicConfig(format="%(message)s", stream=sys.stdout)  # the batch log, in order
     log = logging.getLogger("minisgl.scheduler")
 
     # 1. lengths: max_seq_len 48 for this demonstration

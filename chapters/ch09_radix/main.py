@@ -36,7 +36,7 @@ def chats(tokenizer, questions: list[str]) -> list[list[int]]:
 def main() -> None:
     if not (MODEL / "config.json").is_file():
         sys.exit(f"{MODEL} is missing: run `python tools/models.py smollm2` in the repository root")
-    logging.basicConfig(format="%(message)s")
+    logging.basicConfig(format="%(message)s", stream=sys.stdout)  # the batch log, in order
     log = logging.getLogger("minisgl.scheduler")
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     greedy = SamplingParams(max_tokens=24)  # stops at the end-of-turn token, or after 24

@@ -120,7 +120,8 @@ def test_token_pool_holds_prompt_and_outputs(model_dir, make_llm) -> None:
     ids = hf_tokenizer(path)(PROMPTS[3])["input_ids"]
     llm = make_llm(path, max_running_req=1)
     out = llm.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True))[0]["token_ids"]
-    row = llm.token_pool[0, : len(ids) + 5].tolist()  # the last token is never read back
+    # the 6th token is in the pool too (at len(ids) + 5), but no step reads it: compare 5
+    row = llm.token_pool[0, : len(ids) + 5].tolist()
     assert row == ids + out[:5]
 
 

@@ -51,6 +51,8 @@ def test_too_long_prompt_is_refused_before_any_work(model_dir, make_llm) -> None
         llm.generate([[5, 6, 7], long], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         llm.generate([[]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="prompt 1: max_tokens must be at least 1"):
+        llm.generate([[5], [6]], [SamplingParams(max_tokens=1), SamplingParams(max_tokens=0)])
     assert llm.stats.prefill_batches == 0  # nothing ran
     out = llm.generate([long[:31]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0]["token_ids"]) == 1  # 31 tokens leave room for exactly one
@@ -69,7 +71,7 @@ def test_max_tokens_is_clipped_to_the_room_left(model_dir, make_llm, caplog) -> 
 
 
 def test_requests_wait_for_kv_room_and_still_match_hf(model_dir, make_llm, caplog) -> None:
-    """20 pages of 4 tokens; each request may need up to 7 pages: they cannot all run at once."""
+    """20 pages of 4 tokens; each request may need up to 10 pages: they cannot all run at once."""
     path = model_dir("tiny-qwen2")
     ids = [hf_tokenizer(path)(p)["input_ids"] for p in PROMPTS]
     llm = make_llm(path, page_size=4, num_page_override=20, max_running_req=8)
@@ -82,6 +84,16 @@ def test_requests_wait_for_kv_room_and_still_match_hf(model_dir, make_llm, caplo
     # the requests decoding together never could need more than the pool's 80 slots
     assert all(sum(len(ids[u]) + 12 for u in uids) <= 80 for phase, uids in seen
                if phase == "decode")
+
+
+def test_a_request_never_needs_more_than_an_empty_pool(model_dir, make_llm) -> None:
+    """max_tokens is clipped so that prompt + output + a page of rounding fits the whole pool
+    (20 pages of 4 = 80 slots): otherwise the request could never be admitted."""
+    path = model_dir("tiny-qwen3")
+    llm = make_llm(path, page_size=4, num_page_override=20, max_seq_len_override=80)
+    assert llm.max_seq_len == 77
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=100, ignore_eos=True))
+    assert len(out[0]["token_ids"]) == 72
 
 
 def test_running_requests_keep_their_reservation(model_dir, make_llm, caplog) -> None:

@@ -63,7 +63,7 @@ def test_any_budget_gives_the_same_tokens(budget: int, page_size: int, model_dir
     prefills = [reqs for phase, reqs in seen if phase == "prefill"]
     assert all(sum(n for _, n in reqs) <= budget for reqs in prefills)
     assert sum(n for reqs in prefills for _, n in reqs) == 58  # every prompt token once
-    assert llm.stats.prefill_batches == len(prefills) >= -(-58 // budget)
+    assert llm.stats.prefill_batches == len(prefills) == -(-58 // budget)  # no budget wasted
 
 
 def test_a_chunked_prompt_does_not_decode_until_done(model_dir, make_llm, caplog) -> None:
@@ -96,6 +96,11 @@ def test_chunks_with_a_shared_prefix(model_dir, make_llm) -> None:
     plain = make_llm(path, cache_type="naive")
     assert out == [o["token_ids"] for o in plain.generate(ids, GREEDY)]
     assert computed <= 57 + 2 * (9 + 3)
+
+
+def test_budget_must_be_positive(model_dir) -> None:
+    with pytest.raises(ValueError, match="max_extend_tokens must be at least 1"):
+        LLM(str(model_dir("tiny-qwen3")), max_extend_tokens=0)
 
 
 def test_chunked_req_has_no_next_token() -> None:

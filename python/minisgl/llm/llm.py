@@ -30,8 +30,8 @@ class LLM(Scheduler):
         max_seq_len_override, attention_backend, memory_ratio, device, seed, and from chapters
         9 and 10 on cache_type and max_extend_tokens."""
         if dtype is None:
-            on_gpu = config.get("device", "cuda" if torch.cuda.is_available() else "cpu")
-            dtype = torch.bfloat16 if str(on_gpu).startswith("cuda") else torch.float32
+            device = config.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+            dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         super().__init__(SchedulerConfig(model_path=model_path, dtype=dtype, **config))
         self.queue: list[PendingReq] = []
         self.status: dict[int, RequestStatus] = {}
@@ -46,10 +46,12 @@ class LLM(Scheduler):
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
         ids = [self._tokenize(p) for p in prompts]
-        limit = self.engine.max_seq_len
+        limit = self.max_seq_len
         for i, x in enumerate(ids):  # refuse before any work starts
             if len(x) == 0:
                 raise ValueError(f"prompt {i} is empty")
+            if sampling_params[i].max_tokens < 1:
+                raise ValueError(f"prompt {i}: max_tokens must be at least 1")
             if len(x) >= limit:
                 raise ValueError(f"prompt {i} has {len(x)} tokens; max_seq_len is {limit}, so a "
                                  f"prompt may have at most {limit - 1} (one output token)")

@@ -11,3 +11,7 @@ from minisgl.engine import EngineConfig
 class SchedulerConfig(EngineConfig):
     cache_type: str = "radix"  # prefix cache: "radix" or "naive" (chapter 9)
     max_extend_tokens: int = 8192  # prompt tokens one prefill batch may compute (chapter 10)
+
+    def __post_init__(self) -> None:
+        if self.max_extend_tokens < 1:
+            raise ValueError(f"max_extend_tokens must be at least 1, not {self.max_extend_tokens}")

@@ -30,8 +30,8 @@ class LLM(Scheduler):
         max_seq_len_override, attention_backend, memory_ratio, device, seed, and from chapters
         9 and 10 on cache_type and max_extend_tokens."""
         if dtype is None:
-            on_gpu = config.get("device", "cuda" if torch.cuda.is_available() else "cpu")
-            dtype = torch.bfloat16 if str(on_gpu).startswith("cuda") else torch.float32
+            device = config.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+            dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         super().__init__(SchedulerConfig(model_path=model_path, dtype=dtype, **config))
         self.queue: list[PendingReq] = []
         self.status: dict[int, RequestStatus] = {}
@@ -54,7 +54,7 @@ class LLM(Scheduler):
             self.run_forever()
         except RequestAllFinished:
             pass
-        self.cache_manager.check_integrity()  # idle: every page is free or cached
+        self.cache_manager.check_integrity()  # idle: every page is free again
         return [{"text": self.tokenizer.decode(s.output_ids), "token_ids": s.output_ids}
                 for s in self.status.values()]
 

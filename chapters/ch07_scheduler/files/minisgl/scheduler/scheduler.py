@@ -98,7 +98,8 @@ class Scheduler:
         load = (_to_device(rows, pin, self.device), _to_device(cols, pin, self.device))
         batch.positions = load[1].to(torch.int32)
         batch.out_loc = self.engine.page_table[load]
-        # a request that will not decode again writes its token to a scratch column: the last
+        # each sampled token goes to its request's next position; one that can never be read
+        # (no decode follows: a prompt chunk, chapter 10) goes to a scratch column, the last
         write = ([r.table_idx for r in batch.reqs],
                  [r.device_len if r.can_decode else -1 for r in batch.reqs])
         write_indices = (_to_device(write[0], pin, self.device),

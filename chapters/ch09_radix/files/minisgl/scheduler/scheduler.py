@@ -42,6 +42,10 @@ class Scheduler:
         self.config = config
         self.engine = Engine(config)
         self.device = self.engine.device
+        # the most prompt + output tokens a request may have: the engine's limit, and what an
+        # empty KV pool can promise once a page of rounding is counted (chapter 8)
+        self.max_seq_len = min(self.engine.max_seq_len,
+                               self.engine.num_pages * config.page_size - config.page_size + 1)
         self.table_manager = TableManager(config.max_running_req, self.engine.page_table)
         self.cache_manager = CacheManager(self.engine.num_pages, config.page_size,
                                           self.engine.page_table, config.cache_type)
@@ -62,10 +66,10 @@ class Scheduler:
 
     def add_req(self, req: PendingReq) -> None:
         """Queue a request; its max_tokens is clipped to the room left in max_seq_len."""
-        room = self.engine.max_seq_len - req.input_len
+        room = self.max_seq_len - req.input_len
         if room <= 0:
             raise ValueError(f"request {req.uid}: {req.input_len} prompt tokens leave no room for "
-                             f"output within max_seq_len {self.engine.max_seq_len}")
+                             f"output within max_seq_len {self.max_seq_len}")
         if req.sampling_params.max_tokens > room:
             logger.info("request %d: max_tokens %d clipped to %d", req.uid,
                         req.sampling_params.max_tokens, room)
@@ -110,7 +114,8 @@ class Scheduler:
         load = (_to_device(rows, pin, self.device), _to_device(cols, pin, self.device))
         batch.positions = load[1].to(torch.int32)
         batch.out_loc = self.engine.page_table[load]
-        # a request that will not decode again writes its token to a scratch column: the last
+        # each sampled token goes to its request's next position; one that can never be read
+        # (no decode follows: a prompt chunk, chapter 10) goes to a scratch column, the last
         write = ([r.table_idx for r in batch.reqs],
                  [r.device_len if r.can_decode else -1 for r in batch.reqs])
         write_indices = (_to_device(write[0], pin, self.device),
