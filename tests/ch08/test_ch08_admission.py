@@ -70,9 +70,11 @@ def test_max_tokens_is_clipped_to_the_room_left(model_dir, make_llm, caplog) -> 
     assert "max_tokens 100 clipped to 7" in caplog.text
 
 
-def test_requests_wait_for_kv_room_and_still_match_hf(model_dir, make_llm, caplog) -> None:
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-mistral"])
+def test_requests_wait_for_kv_room_and_still_match_hf(name: str, model_dir, make_llm,
+                                                      caplog) -> None:
     """20 pages of 4 tokens; each request may need up to 10 pages: they cannot all run at once."""
-    path = model_dir("tiny-qwen2")
+    path = model_dir(name)
     ids = [hf_tokenizer(path)(p)["input_ids"] for p in PROMPTS]
     llm = make_llm(path, page_size=4, num_page_override=20, max_running_req=8)
     with caplog.at_level(logging.DEBUG, logger="minisgl.scheduler"):

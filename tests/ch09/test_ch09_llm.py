@@ -43,9 +43,10 @@ def shared_prefix_prompts(n: int, prefix_len: int, suffix_len: int, seed: int = 
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_shared_prefix_is_computed_once(page_size: int, model_dir, make_llm, caplog) -> None:
-    path = model_dir("tiny-qwen3")
+@pytest.mark.parametrize(("name", "page_size"), [("tiny-qwen3", 1), ("tiny-qwen2", 4),
+                                               ("tiny-mistral", 1), ("tiny-llama", 4)])
+def test_shared_prefix_is_computed_once(name: str, page_size: int, model_dir, make_llm) -> None:
+    path = model_dir(name)
     prompts = shared_prefix_prompts(4, 64, 8)
     outputs, computed = {}, {}
     for cache_type in ("radix", "naive"):

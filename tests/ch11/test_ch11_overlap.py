@@ -71,9 +71,10 @@ def test_every_configuration_gives_hf_tokens(change: dict, model_dir, make_llm) 
     assert out == [hf_greedy(path, p, 10)[0] for p in prompts]
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_shared_prefix_costs_a_quarter(page_size: int, model_dir, make_llm) -> None:
-    path = model_dir("tiny-llama")
+@pytest.mark.parametrize(("name", "page_size"), [("tiny-llama", 1), ("tiny-qwen2", 4),
+                                               ("tiny-mistral", 1)])
+def test_shared_prefix_costs_a_quarter(name: str, page_size: int, model_dir, make_llm) -> None:
+    path = model_dir(name)
     prompts = shared_prefix_prompts()
     computed = {}
     for cache_type in ("radix", "naive"):

@@ -13,7 +13,14 @@ from transformers import AutoTokenizer
 
 from minisgl.core import Batch, Req
 from minisgl.engine import BatchSamplingArgs, Engine, ForwardOutput
-from minisgl.utils.device import create_stream, pin_memory, set_current_stream, stream_context
+from minisgl.utils.device import (
+    create_event,
+    create_stream,
+    pin_memory,
+    set_current_stream,
+    stream_context,
+    synchronize,
+)
 
 from .cache import CacheManager
 from .config import SchedulerConfig
@@ -27,8 +34,9 @@ Indices2D = tuple[torch.Tensor, torch.Tensor]  # (rows, columns) of the page tab
 
 
 class ForwardInput(NamedTuple):
-    """A prepared batch. Kept until its results are processed, so that the host buffers of
-    its asynchronous copies stay alive while the device may still read them."""
+    """A prepared batch. Kept until its results are processed: its index tensors were made on
+    the scheduler's stream and are read on the engine's, so their memory must not be reused
+    before the batch is done."""
 
     batch: Batch
     sample_args: BatchSamplingArgs
@@ -93,7 +101,9 @@ class Scheduler:
             self.add_req(req)
         forward_input = self._schedule_next_batch()
         if forward_input is not None:
-            self._process_last_data((forward_input, self._forward(forward_input)))
+            output = self._forward(forward_input)
+            self._after_launch(forward_input.batch)
+            self._process_last_data((forward_input, output))
 
     def overlap_loop(self, last_data: ForwardData | None) -> ForwardData | None:
         """One step: schedule and launch batch N+1, then process batch N's tokens while the
@@ -106,7 +116,11 @@ class Scheduler:
         if forward_input is not None:
             with stream_context(self.engine.stream):
                 self.engine.stream.wait_stream(self.stream)  # the batch's inputs are ready
-                ongoing = (forward_input, self._forward(forward_input))
+                output = self._forward(forward_input)
+            # back on our stream: the bookkeeping after launch edits page-table rows and the
+            # free list, which the next batch's preparation (on our stream) reads
+            self._after_launch(forward_input.batch)
+            ongoing = (forward_input, output)
         self._process_last_data(last_data)
         return ongoing
 
@@ -123,6 +137,7 @@ class Scheduler:
             data = self.overlap_loop(data)
 
     def shutdown(self) -> None:
+        synchronize(self.device)  # nothing may still run when the engine lets go of its memory
         self.engine.shutdown()
 
     def _schedule_next_batch(self) -> ForwardInput | None:
@@ -170,12 +185,17 @@ class Scheduler:
             self.stats.decode_batches += 1
         output = self.engine.forward_batch(batch, forward_input.sample_args)
         self.token_pool[forward_input.write_indices] = output.next_tokens_device
+        # "done" must also cover the scatter just issued, not only the copy to the host
+        done = create_event(self.device)
+        done.record()
+        return output._replace(copy_done=done)
+
+    def _after_launch(self, batch: Batch) -> None:
         self.decode_manager.filter_reqs(batch.reqs)
         if batch.is_prefill:  # the prompts' K/V go into the prefix cache at once, so the next
             for req in batch.reqs:  # batch's requests can match them
                 if not isinstance(req, ChunkedReq):
                     self.cache_manager.cache_req(req, finished=False)
-        return output
 
     def _process_last_data(self, data: ForwardData | None) -> None:
         if data is None:
