@@ -187,7 +187,7 @@ class Scheduler:
         self.token_pool[forward_input.write_indices] = output.next_tokens_device
         # "done" must also cover the scatter just issued, not only the copy to the host
         done = create_event(self.device)
-        done.record()
+        done.record(self.engine.stream)
         return output._replace(copy_done=done)
 
     def _after_launch(self, batch: Batch) -> None:
