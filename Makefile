@@ -1,0 +1,29 @@
+# The reader's commands: `make quickstart` shows the main result, `make test` runs what CI runs.
+# Both set up .venv first (once per change of constraints.txt / pyproject.toml) and are idempotent.
+# TORCH_INDEX=<url> picks another wheel index for torch on machines without a CUDA GPU.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+STAMP := $(VENV)/.installed-$(shell cat constraints.txt pyproject.toml | sha256sum | cut -c1-12)
+
+.PHONY: quickstart test docs clean
+
+quickstart: $(STAMP)
+	$(PY) tools/models.py smollm2
+	$(PY) examples/ch00_quickstart.py
+
+test: $(STAMP)
+	$(PY) tools/models.py tiny
+	$(PY) tools/models.py smollm2
+	ruff check . && python -m pytest -q && python tools/steps.py check && mkdocs build --strict
+
+docs: $(STAMP)
+	mkdocs serve
+
+clean:
+	rm -rf $(VENV) site site-check
+
+$(STAMP): constraints.txt pyproject.toml
+	VENV=$(VENV) bash tools/install.sh
+	rm -f $(VENV)/.installed-* && touch $@
