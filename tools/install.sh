@@ -12,8 +12,9 @@ torch_pin=$(grep '^torch==' constraints.txt)
 
 if ! command -v nvidia-smi >/dev/null && ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
     echo "install: no CUDA GPU here, so the CPU build of $torch_pin (from $torch_index)"
-    # A machine that cannot reach that index gives up within seconds and falls back below.
-    $pip install --quiet --timeout 5 --retries 0 --index-url "$torch_index" "$torch_pin" ||
+    # torch alone (its dependencies come pinned below, from the default index). A machine that
+    # cannot reach that index gives up within seconds and falls back to the default index.
+    $pip install --quiet --no-deps --timeout 5 --retries 0 --index-url "$torch_index" "$torch_pin" ||
         echo "install: $torch_index not reachable; torch comes from the default index instead"
 fi
 echo "install: the pinned packages of constraints.txt (a few minutes the first time)"
