@@ -25,6 +25,8 @@ from naive import NaiveEngine  # noqa: E402
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 
 
+# The same as minisgl.utils.device.physical_cores (chapter 6), kept as a copy on purpose: this
+# example belongs to chapter 0, which runs on naive.py alone, before the minisgl package exists.
 def physical_cores() -> int:
     """Distinct (physical id, core id) pairs of /proc/cpuinfo; os.cpu_count() if unreadable."""
     try:

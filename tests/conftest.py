@@ -1,7 +1,8 @@
 """Shared pytest fixtures: where the test models live and how they get made, and how to load
 a chapter's own modules (naive.py, skeleton.py) (chapter 0).
 
-This file never imports minisgl: it is part of every chapter's tree, including chapter 0's.
+This file never imports minisgl at import time: it is part of every chapter's tree, including
+chapter 0's. The `make_llm` fixture (chapters 7 on) imports it when a test asks for it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -55,3 +56,31 @@ def chapter_module(chapter: str, name: str) -> ModuleType:
 def model_dir() -> Callable[[str], Path]:
     """`model_dir("tiny-qwen3")` -> the folder, made on first use and cached between runs."""
     return ensure_model
+
+
+@pytest.fixture
+def make_llm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable]:
+    """`make_llm(path, **config)` -> an `LLM` (chapter 7 on), 512 pages and float32 unless
+    `config` says otherwise (float32 also on a GPU: the tests compare with HF float32); every
+    LLM made is shut down after the test. `overlap=True/False` (chapter 11) sets
+    MINISGL_DISABLE_OVERLAP_SCHEDULING, which the Scheduler reads when it is made, for this
+    test only, and checks that the LLM took it."""
+    import torch
+
+    from minisgl.llm import LLM
+
+    made: list = []
+
+    def make(path: Path, overlap: bool | None = None, **config):
+        if overlap is not None:
+            monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
+        config.setdefault("num_page_override", 512)
+        config.setdefault("dtype", torch.float32)
+        made.append(LLM(str(path), **config))
+        if overlap is not None:
+            assert made[-1].overlap == overlap
+        return made[-1]
+
+    yield make
+    for llm in made:
+        llm.shutdown()

@@ -14,15 +14,32 @@ if TYPE_CHECKING:  # these arrive in chapters 4 and 5; only their names are need
     from minisgl.kvcache import BaseKVCachePool
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks its next token, and when it stops."""
+    """How one request picks its next token, and when it stops. Checked where it is made (a
+    ValueError names the bad field), and frozen so that it stays valid:
 
-    temperature: float = 0.0  # 0 means greedy
-    top_k: int = -1  # < 1 means no limit
+    - `temperature` >= 0; 0 means greedy;
+    - `top_k` is -1 (no limit, the default) or >= 1; 1 keeps only the best token;
+    - `top_p` in (0, 1]; 1 means no cut;
+    - `max_tokens` >= 1: prefill always samples one token.
+    """
+
+    temperature: float = 0.0
+    top_k: int = -1
     top_p: float = 1.0
     ignore_eos: bool = False
     max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        rules = {"temperature": (self.temperature >= 0.0, ">= 0 (0 means greedy)"),
+                 "top_k": (self.top_k == -1 or self.top_k >= 1, "-1 (no limit) or >= 1"),
+                 "top_p": (0.0 < self.top_p <= 1.0, "in (0, 1]"),
+                 "max_tokens": (self.max_tokens >= 1, ">= 1")}
+        for name, (ok, allowed) in rules.items():
+            if not ok:  # also catches NaN, which fails every comparison
+                raise ValueError(f"SamplingParams.{name} must be {allowed}, "
+                                 f"got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:

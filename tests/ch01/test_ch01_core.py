@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -62,6 +63,46 @@ def ctx() -> Iterator[Context]:
 )
 def test_sampling_params_is_greedy(kwargs: dict, greedy: bool) -> None:
     assert SamplingParams(**kwargs).is_greedy is greedy
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("temperature", -0.1, r">= 0 \(0 means greedy\)"),
+        ("temperature", float("nan"), r">= 0 \(0 means greedy\)"),
+        ("top_p", 0.0, r"in \(0, 1\]"),
+        ("top_p", 1.01, r"in \(0, 1\]"),
+        ("top_p", -0.5, r"in \(0, 1\]"),
+        ("top_k", 0, r"-1 \(no limit\) or >= 1"),
+        ("top_k", -2, r"-1 \(no limit\) or >= 1"),
+        ("max_tokens", 0, ">= 1"),
+        ("max_tokens", -3, ">= 1"),
+    ],
+)
+def test_sampling_params_rejects_bad_values(field: str, value: float, allowed: str) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be {allowed}, "
+                                         rf"got {value!r}"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"temperature": 0.0}, {"top_p": 1.0}, {"top_p": 1e-6}, {"top_k": -1}, {"top_k": 1},
+     {"max_tokens": 1}],
+)
+def test_sampling_params_accepts_edge_values(kwargs: dict) -> None:
+    params = SamplingParams(**kwargs)
+    assert all(getattr(params, k) == v for k, v in kwargs.items())
+
+
+def test_sampling_params_stays_valid() -> None:
+    """Frozen: a checked object cannot be made bad afterwards; replace() checks again."""
+    params = SamplingParams(max_tokens=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.max_tokens = 0  # type: ignore[misc]
+    assert dataclasses.replace(params, max_tokens=2).max_tokens == 2
+    with pytest.raises(ValueError, match="max_tokens"):
+        dataclasses.replace(params, max_tokens=0)
 
 
 # ----------------------------------------------------------------------------- Req

@@ -222,7 +222,7 @@ def test_mixed_batch_and_clamping() -> None:
     torch.manual_seed(1)
     logits = torch.randn(3, 10)
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1),
-              SamplingParams(temperature=2.0, top_p=0.0)]
+              SamplingParams(temperature=2.0, top_p=1e-9)]  # below MIN_TOP_P: clamped up
     args = sampler.prepare(_batch(params))
     assert args.temperatures is not None and args.temperatures[0] == pytest.approx(1e-6)
     assert args.top_k is not None and args.top_k.tolist() == [10, 1, 10]

@@ -4,8 +4,6 @@ and leave between steps, the token pool, and the page / row allocators under ran
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from minisgl.core import Req, SamplingParams
-from minisgl.llm import LLM
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.table import TableManager
 
@@ -23,22 +20,6 @@ from reference import hf_greedy, hf_tokenizer
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three prime numbers:",
            "Once upon a time, in a small village by the sea,", "Water boils at"]
 MAX_TOKENS = [9, 4, 16, 12, 6]
-
-
-@pytest.fixture
-def make_llm() -> Iterator:
-    """make_llm(path, **config) -> LLM, shut down after the test (one engine at a time)."""
-    made: list[LLM] = []
-
-    def make(path: Path, **config) -> LLM:
-        config.setdefault("num_page_override", 256)
-        config.setdefault("dtype", torch.float32)  # also on a GPU: compared with HF float32
-        made.append(LLM(str(path), **config))
-        return made[-1]
-
-    yield make
-    for llm in made:
-        llm.shutdown()
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama", "tiny-qwen2", "tiny-mistral"])
@@ -87,6 +68,29 @@ def test_token_ids_and_per_request_params(model_dir, make_llm) -> None:
     assert outputs[1]["text"] == llm.tokenizer.decode(outputs[1]["token_ids"])
     with pytest.raises(ValueError, match="2 prompts but 1"):
         llm.generate(ids, [SamplingParams()])
+
+
+BAD_PROMPTS = [  # (prompts, what the ValueError says); tiny-qwen3 has 512 token ids
+    ([[5, 6], 7], "prompt 1 must be a str or a list of token ids, got int"),
+    ([[5, 6], None], "prompt 1 must be a str or a list of token ids, got NoneType"),
+    ([[5, 512]], r"prompt 0: token 1 is 512; a token id is an int in \[0, 512\)"),
+    (["ok", [5, -1]], r"prompt 1: token 1 is -1; a token id is an int in \[0, 512\)"),
+    ([[5], [6], [7.0]], r"prompt 2: token 0 is 7.0; a token id is an int in \[0, 512\)"),
+    ([[True]], r"prompt 0: token 0 is True; a token id is an int"),
+]
+
+
+def test_bad_prompts_are_refused_before_any_work(model_dir, make_llm) -> None:
+    llm = make_llm(model_dir("tiny-qwen3"))
+    assert llm.vocab_size == 512
+    for prompts, message in BAD_PROMPTS:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompts, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="3 prompts but 2 SamplingParams"):
+        llm.generate([[5], [6], [7]], [SamplingParams(), SamplingParams()])
+    assert llm.stats.prefill_batches == 0  # nothing ran
+    out = llm.generate([[5, 511], "ok"], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [len(o["token_ids"]) for o in out] == [2, 2]  # the LLM is still usable
 
 
 def test_stops_at_eos_and_leaves_it_out(model_dir, make_llm) -> None:

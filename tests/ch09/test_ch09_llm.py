@@ -5,33 +5,15 @@ prefix of two requests admitted together."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
 from minisgl.core import SamplingParams
-from minisgl.llm import LLM
 
 from reference import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture
-def make_llm() -> Iterator:
-    made: list[LLM] = []
-
-    def make(path: Path, **config) -> LLM:
-        config.setdefault("num_page_override", 512)
-        config.setdefault("dtype", torch.float32)  # also on a GPU: compared with HF float32
-        made.append(LLM(str(path), **config))
-        return made[-1]
-
-    yield make
-    for llm in made:
-        llm.shutdown()
 
 
 def shared_prefix_prompts(n: int, prefix_len: int, suffix_len: int, seed: int = 0,

@@ -4,8 +4,6 @@ outputs whatever the budget, page size or prefix cache."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,21 +15,6 @@ from minisgl.scheduler.prefill import ChunkedReq
 from reference import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture
-def make_llm() -> Iterator:
-    made: list[LLM] = []
-
-    def make(path: Path, **config) -> LLM:
-        config.setdefault("num_page_override", 512)
-        config.setdefault("dtype", torch.float32)  # also on a GPU: compared with HF float32
-        made.append(LLM(str(path), **config))
-        return made[-1]
-
-    yield make
-    for llm in made:
-        llm.shutdown()
 
 
 def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

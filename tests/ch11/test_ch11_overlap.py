@@ -4,15 +4,12 @@ prefix computed once (at most a quarter of naive's prefill tokens, counted by th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import cache
-from pathlib import Path
 
 import pytest
 import torch
 
 from minisgl.core import SamplingParams
-from minisgl.llm import LLM
 from minisgl.utils import device as device_utils
 
 from reference import hf_greedy
@@ -31,24 +28,6 @@ CONFIGS = [
      "max_running_req": 2},
     {"max_extend_tokens": 8, "page_size": 4, "max_running_req": 2},
 ]
-
-
-@pytest.fixture
-def make_llm(monkeypatch) -> Iterator:
-    """make_llm(path, overlap=..., **config) -> LLM, shut down after the test."""
-    made: list[LLM] = []
-
-    def make(path: Path, overlap: bool = True, **config) -> LLM:
-        monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
-        config.setdefault("num_page_override", 512)
-        config.setdefault("dtype", torch.float32)  # also on a GPU: compared with HF float32
-        made.append(LLM(str(path), **config))
-        assert made[-1].overlap == overlap
-        return made[-1]
-
-    yield make
-    for llm in made:
-        llm.shutdown()
 
 
 @cache
@@ -78,7 +57,7 @@ def test_shared_prefix_costs_a_quarter(name: str, page_size: int, model_dir, mak
     prompts = shared_prefix_prompts()
     computed = {}
     for cache_type in ("radix", "naive"):
-        llm = make_llm(path, cache_type=cache_type, page_size=page_size)
+        llm = make_llm(path, overlap=True, cache_type=cache_type, page_size=page_size)
         llm.generate(prompts, GREEDY)
         computed[cache_type] = llm.stats.prefill_tokens
         llm.shutdown()

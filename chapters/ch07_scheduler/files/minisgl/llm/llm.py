@@ -23,6 +23,29 @@ class RequestStatus:
     finished: bool = False
 
 
+def check_requests(prompts: list[str] | list[list[int]],
+                   sampling_params: SamplingParams | list[SamplingParams],
+                   vocab_size: int) -> list[SamplingParams]:
+    """Refuse bad input before any work starts: each prompt is a str or a list of token ids in
+    [0, vocab_size), with one SamplingParams for all or one per prompt (returned one per
+    prompt). The API server (chapter 15) checks its requests with it too."""
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            continue
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt {i} must be a str or a list of token ids, "
+                             f"got {type(prompt).__name__}")
+        for j, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompt {i}: token {j} is {t!r}; a token id is an int in "
+                                 f"[0, {vocab_size})")
+    return sampling_params
+
+
 class LLM(Scheduler):
     def __init__(self, model_path: str, dtype: torch.dtype | None = None, **config) -> None:
         """dtype None: bfloat16 on a GPU, float32 on the CPU. `config` takes the keywords of
@@ -35,16 +58,14 @@ class LLM(Scheduler):
         super().__init__(SchedulerConfig(model_path=model_path, dtype=dtype, **config))
         self.queue: list[PendingReq] = []
         self.status: dict[int, RequestStatus] = {}
+        self.vocab_size = self.config.model_config.vocab_size
 
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams],
                  ) -> list[dict[str, str | list[int]]]:
         """Generate for every prompt (text, or token ids); one dict per prompt, in order, with
         the output `text` and `token_ids` (the EOS token that ended it is left out)."""
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
+        sampling_params = check_requests(prompts, sampling_params, self.vocab_size)
         ids = [self._tokenize(p) for p in prompts]
         self.queue = [PendingReq(uid, x, sp)
                       for uid, (x, sp) in enumerate(zip(ids, sampling_params))]
