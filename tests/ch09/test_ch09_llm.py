@@ -28,6 +28,11 @@ def shared_prefix_prompts(n: int, prefix_len: int, suffix_len: int, seed: int = 
 @pytest.mark.parametrize(("name", "page_size"), [("tiny-qwen3", 1), ("tiny-qwen2", 4),
                                                ("tiny-mistral", 1), ("tiny-llama", 4)])
 def test_shared_prefix_is_computed_once(name: str, page_size: int, model_dir, make_llm) -> None:
+    """Four prompts: 64 shared random tokens, then 8 of their own; four tiny models (page size 1
+    for qwen3 and mistral, 4 for qwen2 and llama). radix and naive give the same tokens, equal to
+    HF. naive computes 4 x 72 = 288 prompt tokens, radix at most 72 + 3 x (8 + page_size - 1): the
+    first prompt whole, the others their suffixes. The four arrive together into an empty cache, so
+    only the deferral rule (PrefillManager._shares_with) reaches that bound."""
     path = model_dir(name)
     prompts = shared_prefix_prompts(4, 64, 8)
     outputs, computed = {}, {}
@@ -44,6 +49,9 @@ def test_shared_prefix_is_computed_once(name: str, page_size: int, model_dir, ma
 
 
 def test_second_call_finds_the_first_calls_prompts(model_dir, make_llm) -> None:
+    """tiny-llama, page size 1: three prompts sharing 40 tokens, generated twice. The second call
+    gives the same outputs and computes 3 tokens, each prompt's last; idle, the cache holds nothing
+    locked."""
     path = model_dir("tiny-llama")
     prompts = shared_prefix_prompts(3, 40, 10, seed=1)
     llm = make_llm(path)
@@ -57,7 +65,11 @@ def test_second_call_finds_the_first_calls_prompts(model_dir, make_llm) -> None:
 
 
 def test_eviction_keeps_outputs_right(model_dir, make_llm) -> None:
-    """A pool that cannot keep every earlier prompt: least recently used ones are evicted."""
+    """A pool of 96 slots that cannot keep every earlier prompt: four rounds of two new prompts
+    force evictions. Each round equals HF and no page is lost; rerunning the newest round computes
+    at most 8 tokens, since the least recently used prompts went first. The two prompts of a round
+    share only 24 tokens (less than DEFER_MIN_SHARED = 32), so they are admitted together and the
+    duplicate prefix is found at insertion: this test relies on the repointing in cache_req too."""
     path = model_dir("tiny-qwen3")
     llm = make_llm(path, num_page_override=24, page_size=4)  # 96 slots
     rounds = [shared_prefix_prompts(2, 24, 6, seed=s) for s in range(4)]
@@ -73,9 +85,13 @@ def test_eviction_keeps_outputs_right(model_dir, make_llm) -> None:
 
 
 def test_identical_prompts_admitted_together(model_dir, make_llm, caplog) -> None:
-    """A and B have the same 20-token prompt and are prefilled in one batch (neither can see
-    the other's K/V). B's copy of the prefix is spare once A's is cached; B must read A's
-    pages from then on, or C, which reuses B's freed pages, would overwrite what B reads."""
+    """A and B have the same 20-token prompt; C has 30 tokens; page size 1, 64 pages, 4 tokens
+    each. Step 1: A and B share 19 tokens (< 32, no deferral) and are prefilled together on pages
+    0-19 and 20-39 (neither can see the other's K/V); C (34 tokens of room on top of their 48)
+    waits. A is cached first; B finds the 20 tokens cached, frees 20-39 and points its row at 0-19.
+    Step 2: C takes 40-63, then 20-25, and writes its K/V there. B must read A's pages from then
+    on: were its row still on 20-39, its first token (from the prefill) would be right and the
+    later ones would read C's K/V."""
     path = model_dir("tiny-qwen3")
     a = shared_prefix_prompts(1, 20, 0, seed=2)[0]
     c = shared_prefix_prompts(1, 30, 0, seed=3)[0]

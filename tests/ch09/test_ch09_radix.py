@@ -68,6 +68,9 @@ def path_of(handle: RadixCacheHandle) -> list[RadixNode]:
 # --- the interface and the factory ------------------------------------------------------------
 
 def test_create_prefix_cache_by_name() -> None:
+    """The registry builds both caches by name; only the radix one reuses prefixes (the scheduler
+    skips its deferral check for the other); an unknown name is refused with the known names
+    listed."""
     assert isinstance(create_prefix_cache("radix", 4, CPU), RadixPrefixCache)
     assert isinstance(create_prefix_cache("naive", 4, CPU), NaivePrefixCache)
     assert all(isinstance(create_prefix_cache(name, 1, CPU), BasePrefixCache)
@@ -78,6 +81,8 @@ def test_create_prefix_cache_by_name() -> None:
 
 
 def test_size_info_and_insert_result() -> None:
+    """SizeInfo adds up its two sizes; InsertResult carries the length the tree held before the
+    insert and the handle."""
     info = SizeInfo(evictable_size=3, protected_size=5)
     assert info.total_size == 8 and tuple(info) == (3, 5)
     handle = radix(1).match_prefix(ids())
@@ -88,12 +93,15 @@ def test_size_info_and_insert_result() -> None:
                                            ((1, 2, 3), (1, 2), 2), ((1, 2, 3), (1, 9, 3), 1),
                                            ((5,), (6,), 0)])
 def test_match_len(a: tuple[int, ...], b: tuple[int, ...], n: int) -> None:
+    """match_len is the length of the common prefix, whichever tensor comes first."""
     assert match_len(ids(*a), ids(*b)) == match_len(ids(*b), ids(*a)) == n
 
 
 # --- the naive cache --------------------------------------------------------------------------
 
 def test_naive_cache_caches_nothing() -> None:
+    """The naive cache matches nothing, even right after an insert, and refuses to evict a single
+    token."""
     cache = create_prefix_cache("naive", 4, CPU)
     handle = cache.match_prefix(ids(1, 2, 3, 4, 5, 6, 7, 8))
     assert handle.cached_len == 0 and slots_of(handle) == []
@@ -113,6 +121,9 @@ def test_naive_cache_caches_nothing() -> None:
 # --- the radix cache: matching and inserting --------------------------------------------------
 
 def test_radix_match_and_insert_page_size_1() -> None:
+    """Page size 1: matches shorter than, equal to and longer than what is cached, one that ends
+    inside an edge, and inserts over a cached prefix: cached_len is what the tree held before, and
+    the handle's slots are the tree's ones first, then the new ones."""
     cache = radix(1)
     empty = cache.match_prefix(ids(1, 2, 3))
     assert empty.cached_len == 0 and slots_of(empty) == []
@@ -136,6 +147,9 @@ def test_radix_match_and_insert_page_size_1() -> None:
 
 
 def test_radix_keeps_whole_pages_only() -> None:
+    """Page size 4: an insert keeps whole pages only (8 of 10 tokens); a 7-token query hits one
+    page; a second page that differs in one token is not hit; less than a page hits nothing. Two
+    first pages that start alike (4 5) but differ as pages are siblings, both under [0 1 2 3]."""
     cache = radix(4)
     tokens = list(range(10))
     result = cache.insert_prefix(ids(*tokens), ids(*range(100, 110)))
@@ -159,7 +173,11 @@ def test_radix_keeps_whole_pages_only() -> None:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_radix_split_inside_an_edge(page_size: int) -> None:
-    """A match that ends inside an edge cuts it there; old handles keep their full path."""
+    """A match that ends inside an edge cuts it there (page sizes 1 and 4). The root's only child
+    is the new head, the handle's node, holding the first two pages; its only child is the old node
+    object (`tail is edge`) holding the last two, so the old handle `whole` still points at it with
+    all its slots. Had _split kept the old object as the head, `whole` would lose slots. A second
+    insert cuts the tail again; all three handles keep their slots."""
     cache = radix(page_size)
     pages = [[1] * page_size, [2] * page_size, [3] * page_size, [4] * page_size]
     tokens = sum(pages, [])
@@ -192,6 +210,8 @@ def test_radix_split_inside_an_edge(page_size: int) -> None:
 
 
 def test_radix_split_keeps_the_ref_count() -> None:
+    """Splitting a locked node: the new head inherits its count, and the protected size does not
+    change."""
     cache = radix(1)
     cache.insert_prefix(ids(1, 2, 3, 4), ids(10, 11, 12, 13))
     whole = cache.match_prefix(ids(1, 2, 3, 4))
@@ -209,6 +229,9 @@ def test_radix_split_keeps_the_ref_count() -> None:
 # --- the radix cache: locking ------------------------------------------------------------------
 
 def test_radix_lock_unlock_moves_sizes() -> None:
+    """The tree root -> [1 2] -> {[3 4], [7]}. Locking 1 2 3 (which first cuts [3 4] into [3] ->
+    [4]) protects 3 tokens and leaves 2 evictable; locking 1 2 7 adds only [7]; unlocking the first
+    frees [3] while [1 2] stays held by the second; one unlock too many raises."""
     cache = radix(1)
     cache.insert_prefix(ids(1, 2, 3, 4), ids(10, 11, 12, 13))
     cache.insert_prefix(ids(1, 2, 7), ids(20, 21, 22))  # root -> [1 2] -> {[3 4], [7]}
@@ -232,6 +255,8 @@ def test_radix_lock_unlock_moves_sizes() -> None:
 
 
 def test_radix_lock_twice_needs_unlock_twice() -> None:
+    """One handle locked twice (two requests hitting one prefix) stays protected until it is
+    unlocked twice."""
     cache = radix(2)
     cache.insert_prefix(ids(1, 2, 3, 4), ids(10, 11, 12, 13))
     h = cache.match_prefix(ids(1, 2, 3, 4, 5))
@@ -261,6 +286,7 @@ def test_radix_check_integrity_accepts_a_prefix_locked_twice() -> None:
 # --- the radix cache: eviction -----------------------------------------------------------------
 
 def test_radix_evicts_least_recently_used_first() -> None:
+    """The leaf matched most recently goes last; asking for 1 token still takes a whole leaf."""
     cache = radix(1)
     cache.insert_prefix(ids(1, 1), ids(10, 11))
     cache.insert_prefix(ids(2, 2), ids(20, 21))
@@ -276,6 +302,8 @@ def test_radix_evicts_least_recently_used_first() -> None:
 
 
 def test_radix_never_evicts_a_locked_node() -> None:
+    """A locked node stays even when it is the oldest; asking for more than the unlocked part
+    raises."""
     cache = radix(1)
     old = cache.insert_prefix(ids(1, 1), ids(10, 11)).handle  # the oldest
     cache.insert_prefix(ids(2, 2), ids(20, 21))
@@ -293,6 +321,10 @@ def test_radix_never_evicts_a_locked_node() -> None:
 
 
 def test_radix_parent_left_bare_is_evicted_in_the_same_call() -> None:
+    """The logical clock: [3] is 1, [4] and the split-off [1 2] are 2, [5] is 3. Evicting 3 tokens
+    takes [3], then [4]; [1 2] is now an unreferenced leaf, joins the heap and, older than [5],
+    goes next. Without pushing the bare parent, [5] would go instead; with wall-clock timestamps
+    the order would not be fixed."""
     cache = radix(1)
     cache.insert_prefix(ids(1, 2, 3), ids(10, 11, 12))  # tick 1
     cache.insert_prefix(ids(1, 2, 4), ids(0, 0, 14))  # tick 2: [1 2] -> {[3], [4]}
@@ -306,6 +338,7 @@ def test_radix_parent_left_bare_is_evicted_in_the_same_call() -> None:
 
 
 def test_radix_locked_child_keeps_its_parent() -> None:
+    """A locked child keeps its parent: only the other, unlocked leaf can go."""
     cache = radix(2)
     cache.insert_prefix(ids(1, 1, 2, 2), ids(10, 11, 12, 13))
     cache.insert_prefix(ids(1, 1, 3, 3), ids(0, 0, 22, 23))
@@ -320,6 +353,7 @@ def test_radix_locked_child_keeps_its_parent() -> None:
 
 
 def test_radix_evict_more_than_evictable_changes_nothing() -> None:
+    """Asking for more than is evictable raises and leaves the tree as it was."""
     cache = radix(2)
     cache.insert_prefix(ids(1, 2, 3, 4), ids(10, 11, 12, 13))
     with pytest.raises(RuntimeError, match="cannot evict 5 tokens, only 4"):
@@ -359,6 +393,10 @@ def _corrupt_key(cache: RadixPrefixCache, node: RadixNode) -> None:
 @pytest.mark.parametrize("corrupt", [_corrupt_evictable, _corrupt_protected, _corrupt_ref_count,
                                      _corrupt_child_ref_count, _corrupt_value, _corrupt_key])
 def test_radix_check_integrity_catches_corruption(corrupt) -> None:
+    """A good tree passes; then each of six corruptions (evictable total +1, protected total -1, a
+    negative count, a child counting more than its parent, one slot missing, a key reversed so that
+    its parent no longer finds it) must make check_integrity raise, so the check the state machines
+    call after every step is not for show."""
     cache = radix(2)
     cache.insert_prefix(ids(1, 2, 3, 4, 5, 6), ids(10, 11, 12, 13, 14, 15))
     held = cache.match_prefix(ids(1, 2, 3, 4))  # root -> [1 2 3 4] (locked) -> [5 6]
@@ -372,9 +410,14 @@ def test_radix_check_integrity_catches_corruption(corrupt) -> None:
 # --- the radix cache under random use, against a model -----------------------------------------
 
 class RadixMachine(RuleBasedStateMachine):
-    """Random inserts, matches, locks, unlocks and evictions. The model is a dict from every
-    cached page-aligned prefix (its tokens) to the slots of its last page, kept by hand; slots
-    are handed out fresh from a counter, so each one must end up in exactly one place."""
+    """Random inserts (maybe locked), matches (maybe locked), unlocks of a held handle, evictions
+    of a random amount, and evictions of too much, with tokens 0..3 and sequences often derived
+    from earlier ones so that edges are met at every depth. An independent model, kept by hand, is
+    a dict from every cached page-aligned prefix (its tokens) to the slots of its last page; every
+    rule's result is checked against it (the expected match is found by brute force), and an
+    eviction must return distinct whole pages of the model and leave it closed under taking
+    prefixes (only leaves go). Slots are handed out fresh from a counter, so each one must end up
+    in exactly one place: in the model, evicted, or spare."""
 
     cache_cls: type[RadixPrefixCache] = RadixPrefixCache
     page_sizes = (1, 2, 4)
@@ -483,6 +526,11 @@ class RadixMachine(RuleBasedStateMachine):
 
     @invariant()
     def agrees_with_the_model(self) -> None:
+        """After every step: the tree holds exactly the model's prefixes (each with its last
+        page's slots) and the sizes agree; every slot handed out is in exactly one place (the
+        model, evicted, or spare); each node's ref count is the number of held handles whose
+        path passes through it, and the protected size agrees; every held handle still hangs
+        from the root with the slots it had when locked; the tree's check_integrity passes."""
         cache = self.cache
         assert tree_contents(cache) == self.model
         info = cache.size_info
@@ -516,7 +564,8 @@ RADIX_SETTINGS = settings(max_examples=20, stateful_step_count=25, derandomize=T
 
 @pytest.mark.parametrize("page_size", [1, 2, 4])
 def test_radix_cache_against_a_model(page_size: int) -> None:
-    """One run per page size, so that each gets its share of examples."""
+    """One run per page size (1, 2, 4), so that each gets its share of the examples: 20 examples of
+    up to 25 steps each, derandomized."""
 
     class Machine(RadixMachine):
         page_sizes = (page_size,)
@@ -533,6 +582,8 @@ class ForgetfulRadix(RadixPrefixCache):
 
 
 def test_planted_radix_leak_is_caught() -> None:
+    """ForgetfulRadix hands back one slot too few: the machine must fail (its evict rule compares
+    the slots returned with the drop in the evictable size)."""
     class ForgetfulMachine(RadixMachine):
         cache_cls = ForgetfulRadix
 
@@ -559,6 +610,7 @@ def admit(mgr: CacheManager, uid: int, prompt: list[int], row: int,
 
 
 def test_match_req_leaves_the_last_token_to_compute() -> None:
+    """Prompt 1 2 3 wholly cached: the match is 2 tokens; the last one is left for the prefill."""
     mgr = CacheManager(8, 1, torch.zeros((2, 16), dtype=torch.int32))
     mgr.prefix_cache.insert_prefix(ids(1, 2, 3), ids(5, 6, 7))
     pending = PendingReq(0, ids(1, 2, 3), GREEDY)
@@ -567,6 +619,8 @@ def test_match_req_leaves_the_last_token_to_compute() -> None:
 
 
 def test_allocate_paged_writes_page_aligned_slots() -> None:
+    """Page size 2: each request gets pages only for positions no page of its covers yet, in batch
+    order, written into its row as slots."""
     page_table = torch.zeros((3, 12), dtype=torch.int32)
     mgr = CacheManager(6, 2, page_table)
     assert mgr.free_slots.tolist() == [0, 2, 4, 6, 8, 10] and mgr.available_size == 12
@@ -590,6 +644,11 @@ def test_allocate_paged_writes_page_aligned_slots() -> None:
 
 
 def test_allocate_evicts_when_the_free_list_runs_out() -> None:
+    """4 pages of 2. a's 5 tokens get pages 0, 2, 4; after its prefill [1 2 3 4] is cached and
+    locked; when it finishes its part page 4 is freed and the cached 4 tokens become evictable. b
+    needs 3 pages with 2 free, so a's prefix is evicted: b's row [6 7 4 5 0 1] uses the free list
+    first, then the evicted pages. c finds nothing left to evict and fails (in the scheduler,
+    admission control stops it first)."""
     page_table = torch.zeros((2, 12), dtype=torch.int32)
     mgr = CacheManager(4, 2, page_table)
     a = admit(mgr, 0, [1, 2, 3, 4, 5], row=0, output_len=1)
@@ -613,8 +672,12 @@ def test_allocate_evicts_when_the_free_list_runs_out() -> None:
 
 
 def test_duplicate_prefix_computed_twice_is_freed_once_cached() -> None:
-    """Two requests with one prompt, admitted before either is cached: both compute it; the
-    second to be cached finds it there, frees its copy and points its row at the cache's."""
+    """Page size 4; a and b share a prompt of two pages and a token and are both admitted before
+    either is cached, so both compute it. a is cached first. For b, in_cache = 8: its copies (pages
+    12, 16) are freed, its first 8 columns are pointed at the tree's slots 0..7, its third page
+    (20) stays its own, and its new handle is a's node. The 8 tokens stay protected until both
+    finish; no page is lost. Without the repointing in cache_req, b's row would still hold 12..19.
+    """
     page_table = torch.zeros((2, 16), dtype=torch.int32)
     mgr = CacheManager(8, 4, page_table)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5]  # two whole pages and one token
@@ -659,8 +722,14 @@ def prompts(draw) -> list[int]:
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    """Requests admitted, prefilled, decoded and finished the way the scheduler drives them;
-    every page must be in exactly one place: free, in the cache, or owned by one request."""
+    """Requests admitted, prefilled, decoded and finished the way the scheduler drives them.
+    prefill admits 1 to 3 requests as PrefillAdder does (match, estimate, lock, re-check, a row),
+    allocates their pages and calls cache_req(finished=False); decode moves every running request
+    one step; stop_early ends one (an EOS). Prompts are cuts of three shared stems plus short
+    tails, often the very same prompt twice in one batch, and sampled tokens are 0 or 1, so outputs
+    collide too. There is no deferral (that is PrefillManager's job), so a prefix is often found
+    already cached only at insertion. Every page must be in exactly one place: free, in the cache,
+    or owned by one request."""
 
     manager_cls: type[CacheManager] = CacheManager
     page_sizes, cache_types = (1, 4), ("radix", "naive")
@@ -761,6 +830,12 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_page_in_one_place(self) -> None:
+        """Every cached node and every row is made of whole pages; a running request's row starts
+        with exactly its handle's slots (the cache's pages: this is what the repointing in
+        cache_req keeps true), then pages of its own; free, cached and owned pages together are
+        0..num_pages-1, each once; what the running requests will still be given fits in
+        available_size (admission control's promise); when idle, CacheManager.check_integrity
+        passes."""
         ps, mgr = self.ps, self.mgr
         free = mgr.free_slots.tolist()
         assert all(s % ps == 0 for s in free), free
@@ -801,6 +876,8 @@ MANAGER_SETTINGS = settings(max_examples=15, stateful_step_count=30, derandomize
 @pytest.mark.parametrize("cache_type", ["radix", "naive"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_cache_manager_pages_are_conserved(page_size: int, cache_type: str) -> None:
+    """Page sizes 1 and 4, radix and naive: four runs of 15 examples of up to 30 steps,
+    derandomized."""
     class Machine(ManagerMachine):
         page_sizes, cache_types = (page_size,), (cache_type,)
 
@@ -815,6 +892,7 @@ class LeakyManager(CacheManager):
 
 
 def test_planted_page_leak_is_caught() -> None:
+    """LeakyManager forgets a page on every free: the machine must fail (page conservation)."""
     class LeakyMachine(ManagerMachine):
         manager_cls = LeakyManager
 
