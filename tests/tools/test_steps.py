@@ -670,6 +670,8 @@ def test_a_mutant_whose_text_is_not_found_fails(repo: Path) -> None:
     check_fails(repo, "--no-run", "1", expect={(1, 3)}, message="`find` occurs 0 times")
     with_mutants(repo, MUTANTS.replace('name = "quiet-timing"', 'name = "Quiet"'))
     check_fails(repo, "--no-run", "1", expect={(1, 3)}, message="a name is made of a-z")
+    with_mutants(repo, MUTANTS.replace("tests/ch01/test_b.py::", "tests/ch00/test_a.py::"))
+    check_fails(repo, "--no-run", "1", expect={(1, 3)}, message="tree 1 has no tests/ch00/test_a")
 
 
 def test_a_page_shows_a_mutant_report(repo: Path) -> None:
@@ -790,3 +792,11 @@ def test_check_prints_page_sizes_and_flags_big_pages(repo: Path) -> None:
     assert sizes["docs/appendix-big.md"] == ["46.9", "KB", "warning:", "over", "45", "KB"]
     assert sizes["docs/ch00-a.md"][1:] == ["KB"] and sizes["docs/ch01-b.md"][1:] == ["KB"]
     assert done.stdout.endswith("0 failed, 6 skipped, 1 warning\n")
+
+
+def test_a_manifest_may_have_no_outputs(repo: Path) -> None:
+    text = (repo / "chapters/ch01_b/tree.toml").read_text(encoding="utf-8")
+    write(repo, "chapters/ch01_b/tree.toml", text.split("\n[[output]]")[0])
+    done = steps_cmd(repo, "list")
+    assert done.returncode == 0, done.stderr
+    check_fails(repo, "--no-run", "1", expect={(1, 6)}, message="chapter 1 has no output 'main'")

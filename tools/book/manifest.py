@@ -101,7 +101,7 @@ OUTPUT_KEYS = {"id": str, "cmd": list, "where": str, "results": str}
 
 def load_chapter(folder: Path) -> Chapter:
     where = f"chapters/{folder.name}/tree.toml"
-    top = checked_table(read_toml(folder / "tree.toml", where), TOP_KEYS, set(), where)
+    top = checked_table(read_toml(folder / "tree.toml", where), TOP_KEYS, {"file", "output"}, where)
     number, slug = top["number"], top["slug"]
     if folder.name != f"ch{number:02d}_{slug}":
         raise StepsError(f"{where}: number and slug say ch{number:02d}_{slug}, unlike the folder")

@@ -1,6 +1,8 @@
-"""Isolated runs: a command inside a materialised tree, where only the tree's modules import
-(chapter 0). A sitecustomize.py put on the path first guards the imports and logs every file of
-the tree the process opens (property 7)."""
+"""Isolated runs: a command inside a materialised tree that imports only the tree (chapter 0).
+
+A sitecustomize.py put first on the path guards the imports and logs every file of the tree the
+process opens (property 7).
+"""
 
 from __future__ import annotations
 
