@@ -1,6 +1,7 @@
 """第 0 章示例：CPU 线程数对 decode 速度的影响（朴素引擎，SmolLM2-135M-Instruct，float32）。
 
     python examples/ch00_threads.py            # 1、物理核数、4 倍和 16 倍物理核数（超额订阅）个线程
+    python examples/ch00_threads.py --quick    # 冒烟测试：同样的代码，预热 1 步、计时 2 步
 
 每种线程数先预热，再取 20 次 decode 的中位数；同一次运行里并排测量。
 """
@@ -59,7 +60,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="decode speed against torch thread count")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 warm-up, 2 steps")
     args = parser.parse_args()
+    if args.quick:  # what `tools/steps.py check` runs: the same code, in seconds
+        args.steps, args.warmup = 2, 1
     if not (MODEL / "config.json").is_file():
         subprocess.run([sys.executable, str(ROOT / "tools" / "models.py"), "smollm2"], check=True)
     cores = physical_cores()

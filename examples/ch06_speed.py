@@ -2,6 +2,7 @@
 并看线程数（物理核数与 4 倍超额订阅）的影响。SmolLM2-135M-Instruct，float32。
 
     python examples/ch06_speed.py [--steps 30]
+    python examples/ch06_speed.py --quick      # 冒烟测试：同样的代码，预热 1 步、计时 2 步
 
 每个配置：32 个 token 的提示词先 prefill，然后我们与 HF 轮流各走一步 decode（交替进行，
 两边经历同样的机器状态），预热 5 步后各计时 --steps 步，取中位数。
@@ -77,7 +78,11 @@ def interleaved(engine: Engine, model: torch.nn.Module, steps: int) -> tuple[flo
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 warm-up, 2 steps")
     args = parser.parse_args()
+    if args.quick:  # what `tools/steps.py check` runs: the same code, in seconds
+        global WARMUP
+        WARMUP, args.steps = 1, 2
     if not (MODEL / "config.json").is_file():
         subprocess.run([sys.executable, str(ROOT / "tools" / "models.py"), "smollm2"], check=True)
     os.environ.pop("OMP_NUM_THREADS", None)

@@ -3,6 +3,7 @@
 
     python examples/ch11_speed.py            # 预热 2 轮，再计时 20 轮
     python examples/ch11_speed.py --reps 40
+    python examples/ch11_speed.py --quick    # 冒烟测试：不预热，1 轮，每个提示词 4 个 token
 
 三种做法轮流执行（我们、HF 逐个、HF 成批、我们、……），两边用同样的 torch 线程数；每种做法取
 各轮耗时的中位数（另给最小、最大值）。我们这边用 cache_type="naive"，每轮都重新计算整个提示词，
@@ -91,7 +92,11 @@ def first_difference(a: list[int], b: list[int]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description="minisgl LLM.generate against HF generate")
     parser.add_argument("--reps", type=int, default=20, help="timed rounds (after 2 warm-up)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 round of 4 tokens")
     args = parser.parse_args()
+    if args.quick:  # what `tools/steps.py check` runs: the same code, in seconds
+        global WARMUP, NEW_TOKENS
+        WARMUP, NEW_TOKENS, args.reps = 0, 4, 1
     if not (MODEL / "config.json").is_file():
         subprocess.run([sys.executable, str(ROOT / "tools" / "models.py"), "smollm2"], check=True)
     os.environ.pop("OMP_NUM_THREADS", None)  # the Engine picks one thread per physical core

@@ -1,4 +1,4 @@
-"""Self-tests of tools/steps.py (and tools/mkdocs_hooks.py) on small synthetic repositories."""
+"""Self-tests of tools/steps.py, tools/book/ and tools/mkdocs_hooks.py on small synthetic books."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def load_module(name: str, path: Path) -> ModuleType:
     return module
 
 
-steps = load_module("steps_under_test", STEPS)
+sys.path.insert(0, str(TOOLS))
+from book import outputs  # noqa: E402
 
 # ---------------------------------------------------------------------------- the synthetic book
 
@@ -148,15 +149,25 @@ PAGE1 = """\
 ```
 """
 TREE1 = """\
+```text
 .
 ├── minisgl/
-│   ├── __init__.py    [未变]
-│   ├── core.py        [新建]
-│   └── util.py        [未变]
+│   └── core.py        [新建]
 ├── tests/
 │   └── ch01/
 │       └── test_b.py  [新建]
 └── main.py            [修改]
+```
+
+??? note "未变的文件（2 个）"
+
+    ```text
+    .
+    └── minisgl/
+        ├── __init__.py
+        └── util.py
+    ```
+
 """
 
 
@@ -266,7 +277,8 @@ def test_pages_filled_in_the_blocks(repo: Path) -> None:
     page0 = (repo / "docs/ch00-a.md").read_text(encoding="utf-8")
     assert "<!-- tree: begin -->\n```text\n.\n├── minisgl/" in page0
     assert "<!-- output: main -->\n```text\nHELLO FROM CHAPTER 0\n```" in page0
-    assert TREE1.strip() in (repo / "docs/ch01-b.md").read_text(encoding="utf-8")
+    page1 = (repo / "docs/ch01-b.md").read_text(encoding="utf-8")
+    assert f"<!-- tree: begin -->\n{TREE1}<!-- tree: end -->" in page1
 
 
 def test_masking_hides_timings_and_dates(repo: Path) -> None:
@@ -274,14 +286,16 @@ def test_masking_hides_timings_and_dates(repo: Path) -> None:
     page1 = (repo / "docs/ch01-b.md").read_text(encoding="utf-8")
     assert re.search(r"took \d+\.\d{6} ms at \d{4}-\d\d-\d\dT", page1)
     assert steps_cmd(repo, "check", "1").returncode == 0
-    assert steps.mask("took 12.5 ms, 3,200.5 tok/s, 1.5GiB at 2024-05-01T10:00:00.123") == (
+    assert outputs.mask("took 12.5 ms, 3,200.5 tok/s, 1.5GiB at 2024-05-01T10:00:00.123") == (
         "took <N ms>, <N tok/s>, <N GiB> at <date>"
     )
-    assert steps.mask("耗时 12 秒, 3 steps, 2 users, x1 s") == "耗时 <N 秒>, 3 steps, 2 users, x1 s"
-    assert steps.mask("12:30:01 done in 4 min") == "<date> done in <N min>"
-    assert steps.outputs_match("seed 7 gives 3 tokens  # mask-line\n", "seed 9 gives 4 tokens")
-    assert not steps.outputs_match("seed 7\n", "seed 9\n")
-    assert steps.outputs_match("a  \nb\n\n", "a\nb")
+    assert (
+        outputs.mask("耗时 12 秒, 3 steps, 2 users, x1 s") == "耗时 <N 秒>, 3 steps, 2 users, x1 s"
+    )
+    assert outputs.mask("12:30:01 done in 4 min") == "<date> done in <N min>"
+    assert outputs.outputs_match("seed 7 gives 3 tokens  # mask-line\n", "seed 9 gives 4 tokens")
+    assert not outputs.outputs_match("seed 7\n", "seed 9\n")
+    assert outputs.outputs_match("a  \nb\n\n", "a\nb")
 
 
 # ---------------------------------------------------------------------------- breakages
@@ -467,7 +481,8 @@ def test_tree_prints_the_marked_tree(repo: Path) -> None:
 def test_build_writes_exactly_the_tree(repo: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert steps_cmd(repo, "build", "0", str(out)).returncode == 0
-    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    files = [p for p in out.rglob("*") if p.is_file() and not p.is_symlink()]
+    written = sorted(p.relative_to(out).as_posix() for p in files)
     assert written == [
         "main.py",
         "minisgl/__init__.py",
@@ -476,6 +491,7 @@ def test_build_writes_exactly_the_tree(repo: Path, tmp_path: Path) -> None:
         "tests/ch00/test_a.py",
     ]
     assert (out / "naive.py").read_text(encoding="utf-8") == NAIVE
+    assert (out / "models").resolve() == (repo / "models").resolve()  # made if it was missing
     done = steps_cmd(repo, "build", "1", str(out))
     assert done.returncode == 2 and "not an empty folder" in done.stderr
 
@@ -535,11 +551,8 @@ def test_timeout_kills_the_main_and_what_it_started(repo: Path) -> None:
 
 def test_mkdocs_hook_expands_includes(repo: Path) -> None:
     pytest.importorskip("mkdocs")
-    for name in ("steps.py", "mkdocs_hooks.py"):
-        write(repo, f"tools/{name}", (TOOLS / name).read_text(encoding="utf-8"))
-    sys.modules.pop("minisgl_book_steps", None)
+    shutil.copytree(TOOLS, repo / "tools", ignore=shutil.ignore_patterns("__pycache__"))
     hooks = load_module("hooks_under_test", repo / "tools/mkdocs_hooks.py")
-    sys.modules.pop("minisgl_book_steps", None)
     page1 = (repo / "docs/ch01-b.md").read_text(encoding="utf-8")
     html = hooks.on_page_markdown(page1, page=None, config={}, files=None)
     assert "--8<--" not in html
@@ -549,3 +562,241 @@ def test_mkdocs_hook_expands_includes(repo: Path) -> None:
     assert hooks.on_page_markdown(plain, page=None, config={}, files=None) == plain
     with pytest.raises(Exception, match="has no def or class 'nosuch'"):
         hooks.on_page_markdown(page1.replace("#Engine.run", "#nosuch"), None, {}, None)
+
+
+TEST0_MAKER = (
+    "import subprocess\nimport sys\n\n"
+    + TEST0
+    + """
+
+def test_the_model_maker_runs():  # what tests/conftest.py does when a model is missing
+    cmd = [sys.executable, "tools/models.py"]
+    assert subprocess.run(cmd, capture_output=True, text=True).stdout == "maker\\n"
+"""
+)
+
+
+def test_build_gives_a_tree_a_reader_can_run(repo: Path, tmp_path: Path) -> None:
+    # What a real chapter needs: its main loads models/..., its tests may run tools/models.py.
+    write(repo, "models/hello.txt", "weights\n")
+    write(repo, "tools/models.py", "print('maker')\n")
+    edit(
+        repo, "chapters/ch00_a/main.py", "print(", "print(open('models/hello.txt').read())\nprint("
+    )
+    write(repo, "tests/ch00/test_a.py", TEST0_MAKER)
+    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    out = tmp_path / "reader"
+    done = steps_cmd(repo, "build", "0", str(out))
+    assert done.returncode == 0, done.stderr
+    commands = [line.strip() for line in done.stdout.splitlines() if line.startswith("  ")]
+    assert commands == [f"cd {out}", "python main.py", "python -m pytest -q tests"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MINISGL_REPO", "PYTHONPATH")}
+    for cmd in (["main.py"], ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]):
+        run = subprocess.run(
+            [sys.executable, *cmd], cwd=out, env=env, capture_output=True, text=True, check=False
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("..")  # both tests ran
+    main = subprocess.run([sys.executable, "main.py"], cwd=out, capture_output=True, text=True)
+    assert main.stdout == "weights\n\nHELLO FROM CHAPTER 0\n"
+
+
+# ---------------------------------------------------------------------------- mutants
+
+MUTANTS = """\
+[[mutant]]
+name = "lower"
+about = "shout 变成小声：测试应当发现"
+file = "minisgl/util.py"
+find = "text.upper()"
+replace = "text.lower()"
+
+[[mutant]]
+name = "quiet-timing"
+about = "只改计时那一行的措辞：没有测试看它"
+file = "minisgl/core.py"
+find = "took {elapsed:.6f} ms at"
+replace = "took {elapsed:.6f} ms on"
+tests = ["tests/ch01/test_b.py::test_engine"]
+expect = "survives"
+"""
+
+
+def with_mutants(repo: Path, text: str = MUTANTS) -> Path:
+    write(repo, "chapters/ch01_b/mutants.toml", text)
+    return repo
+
+
+def test_mutate_lists_the_mutants(repo: Path) -> None:
+    done = steps_cmd(with_mutants(repo), "mutate", "1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0].split() == ["lower", "shout", "变成小声：测试应当发现"]
+    assert "quiet-timing" in done.stdout and steps_cmd(repo, "mutate", "0").returncode == 0
+
+
+def test_a_killed_mutant_reports_the_failed_tests(repo: Path) -> None:
+    done = steps_cmd(with_mutants(repo), "mutate", "1", "lower")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:4] == [
+        "mutant lower (chapter 1): shout 变成小声：测试应当发现",
+        "file: minisgl/util.py",
+        "--- a/minisgl/util.py",
+        "+++ b/minisgl/util.py",
+    ]
+    assert "-    return text.upper()" in lines and "+    return text.lower()" in lines
+    failed = [line for line in lines if line.startswith("FAILED")]
+    assert len(failed) == 1, done.stdout
+    assert failed[0].startswith("FAILED tests/ch01/test_b.py::test_engine - AssertionError: ")
+    assert lines[-2:] == ["1 failed", "killed, as expected"]
+    # The live files are untouched: only the temporary tree was mutated.
+    assert (repo / "python/minisgl/util.py").read_text(encoding="utf-8") == UTIL
+
+
+def test_a_surviving_mutant_is_reported(repo: Path) -> None:
+    done = steps_cmd(with_mutants(repo), "mutate", "1", "quiet-timing")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-2:] == ["1 passed", "survived, as expected"]
+    edit(repo, "chapters/ch01_b/mutants.toml", 'expect = "survives"\n', "")
+    done = steps_cmd(repo, "mutate", "1", "quiet-timing")
+    assert done.returncode == 1
+    assert "the mutant survived: no test failed, but expect = 'killed'" in done.stdout
+
+
+def test_a_mutant_whose_text_is_not_found_fails(repo: Path) -> None:
+    with_mutants(repo, MUTANTS.replace('find = "text.upper()"', 'find = "text.title()"'))
+    done = steps_cmd(repo, "mutate", "1", "lower")
+    assert done.returncode == 2 and "`find` occurs 0 times in minisgl/util.py" in done.stderr
+    check_fails(repo, "--no-run", "1", expect={(1, 3)}, message="`find` occurs 0 times")
+    with_mutants(repo, MUTANTS.replace('name = "quiet-timing"', 'name = "Quiet"'))
+    check_fails(repo, "--no-run", "1", expect={(1, 3)}, message="a name is made of a-z")
+    with_mutants(repo, MUTANTS.replace("tests/ch01/test_b.py::", "tests/ch00/test_a.py::"))
+    check_fails(repo, "--no-run", "1", expect={(1, 3)}, message="tree 1 has no tests/ch00/test_a")
+
+
+def test_a_page_shows_a_mutant_report(repo: Path) -> None:
+    with_mutants(repo)
+    edit(
+        repo,
+        "docs/ch01-b.md",
+        "<!-- output: demo -->",
+        "<!-- output: mutant:lower -->\n\n<!-- output: demo -->",
+    )
+    assert steps_cmd(repo, "pages", "1").returncode == 0
+    page = (repo / "docs/ch01-b.md").read_text(encoding="utf-8")
+    assert "<!-- output: mutant:lower -->\n```text\nmutant lower (chapter 1)" in page
+    assert "1 failed\nkilled, as expected\n```" in page
+    done = steps_cmd(repo, "check", "1")
+    assert done.returncode == 0, done.stdout
+    edit(
+        repo,
+        "chapters/ch01_b/mutants.toml",
+        'replace = "text.lower()"',
+        'replace = "text.upper() "',
+    )
+    out = check_fails(repo, "1", expect={(1, 6)}, message="output 'mutant:lower' exited with 1")
+    assert "the mutant survived" in out
+
+
+# ---------------------------------------------------------------------------- benchmarks
+
+BENCH = """\
+import random
+import sys
+from pathlib import Path
+
+if "--quick" in sys.argv:
+    print("smoke")
+    sys.exit(int(Path("quick-fails").exists()))
+Path("full-runs").open("a").write("ran\\n")  # the full run leaves a trace
+print(f"speed: {random.randint(0, 10**9)} steps")  # never the same twice, and not masked
+"""
+BENCH_OUTPUT = (
+    '\n[[output]]\nid = "speed"\ncmd = ["python", "examples/bench.py"]\nwhere = "repo"\n'
+    'results = "benchmark/results/speed.txt"\n'
+)
+
+
+def with_benchmark(repo: Path) -> Path:
+    write(repo, "examples/bench.py", BENCH)
+    with (repo / "chapters/ch01_b/tree.toml").open("a", encoding="utf-8") as f:
+        f.write(BENCH_OUTPUT)
+    with (repo / "docs/ch01-b.md").open("a", encoding="utf-8") as f:
+        f.write("\n<!-- output: speed -->\n```text\n```\n")
+    return repo
+
+
+def test_a_benchmark_is_recorded_once_and_never_rerun_by_check(repo: Path) -> None:
+    with_benchmark(repo)
+    check_fails(repo, "--no-run", "1", expect={(1, 6)}, message="run `steps.py bench 1 speed`")
+    done = steps_cmd(repo, "bench", "1", "speed")
+    assert done.returncode == 0, done.stderr
+    header, body = (repo / "benchmark/results/speed.txt").read_text(encoding="utf-8").split("\n", 1)
+    assert header.startswith("# python examples/bench.py · ") and "logical CPUs · 20" in header
+    assert re.fullmatch(r"speed: \d+ steps\n", body)
+    assert steps_cmd(repo, "pages", "1").returncode == 0
+    assert f"<!-- output: speed -->\n```text\n{body}```" in (repo / "docs/ch01-b.md").read_text()
+    done = steps_cmd(repo, "check", "1")
+    assert done.returncode == 0, done.stdout
+    assert (repo / "full-runs").read_text() == "ran\n"  # bench ran it; check did not
+
+
+def test_a_benchmark_block_must_equal_its_results_file(repo: Path) -> None:
+    with_benchmark(repo)
+    assert steps_cmd(repo, "bench", "1", "speed").returncode == 0
+    assert steps_cmd(repo, "pages", "1").returncode == 0
+    edit(repo, "benchmark/results/speed.txt", "speed: ", "speed: 1")
+    check_fails(repo, "--no-run", "1", expect={(1, 6)}, message="differs from benchmark/results")
+
+
+def test_a_benchmark_whose_quick_run_fails_fails(repo: Path) -> None:
+    with_benchmark(repo)
+    assert steps_cmd(repo, "bench", "1", "speed").returncode == 0
+    assert steps_cmd(repo, "pages", "1").returncode == 0
+    write(repo, "quick-fails", "")
+    check_fails(repo, "1", expect={(1, 6)}, message="output 'speed' --quick exited with 1")
+
+
+# ---------------------------------------------------------------------------- other pages, sizes
+
+APPENDIX = """\
+# 附录
+
+<!-- output: 1:demo -->
+
+<!-- output: 0:main -->
+```text
+stale
+```
+"""
+
+
+def test_a_page_outside_the_chapters_shows_chapter_outputs(repo: Path) -> None:
+    write(repo, "docs/appendix-x.md", APPENDIX)
+    assert steps_cmd(repo, "pages", "1").returncode == 0  # fills 1:demo, leaves 0:main alone
+    text = (repo / "docs/appendix-x.md").read_text(encoding="utf-8")
+    assert "<!-- output: 1:demo -->\n```text\nrepo ok\n```" in text and "stale" in text
+    check_fails(repo, "0", expect={(0, 6)}, message="docs/appendix-x.md:8: output 'main' no longer")
+    assert steps_cmd(repo, "pages", "0").returncode == 0
+    assert steps_cmd(repo, "check").returncode == 0
+    edit(repo, "docs/appendix-x.md", "1:demo", "demo")
+    out = check_fails(repo, "--no-run", expect=set(), message="output 'demo' names no chapter")
+    assert "summary: 9 ok, 1 failed, 6 skipped" in out
+
+
+def test_check_prints_page_sizes_and_flags_big_pages(repo: Path) -> None:
+    write(repo, "docs/appendix-big.md", "# 大\n\n" + "字" * 16_000 + "\n")
+    done = steps_cmd(repo, "check", "--no-run")
+    assert done.returncode == 0, done.stdout
+    sizes = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[-4:-1]}
+    assert sizes["docs/appendix-big.md"] == ["46.9", "KB", "warning:", "over", "45", "KB"]
+    assert sizes["docs/ch00-a.md"][1:] == ["KB"] and sizes["docs/ch01-b.md"][1:] == ["KB"]
+    assert done.stdout.endswith("0 failed, 6 skipped, 1 warning\n")
+
+
+def test_a_manifest_may_have_no_outputs(repo: Path) -> None:
+    text = (repo / "chapters/ch01_b/tree.toml").read_text(encoding="utf-8")
+    write(repo, "chapters/ch01_b/tree.toml", text.split("\n[[output]]")[0])
+    done = steps_cmd(repo, "list")
+    assert done.returncode == 0, done.stderr
+    check_fails(repo, "--no-run", "1", expect={(1, 6)}, message="chapter 1 has no output 'main'")
