@@ -118,6 +118,20 @@ def test_sampling_is_seeded(model_dir, make_llm) -> None:
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+def test_decode_batches_are_in_uid_order(model_dir, make_llm, caplog) -> None:
+    """A decode batch lists the running requests by uid. The sampler draws for the whole batch
+    at once, so a request's random numbers depend on its place in the batch: that place must
+    follow from which requests run, not from how they happen to be stored."""
+    path = model_dir("tiny-qwen3")
+    hot = SamplingParams(temperature=1.5, max_tokens=4, ignore_eos=True)
+    llm = make_llm(path, seed=7)
+    with caplog.at_level(logging.DEBUG, logger="minisgl.scheduler"):
+        llm.generate(PROMPTS[:4], hot)
+    steps = [r.getMessage().split() for r in caplog.records if r.name.startswith("minisgl")]
+    decodes = [[int(x.split("+")[0]) for x in s[1:]] for s in steps if s[0] == "decode"]
+    assert decodes and all(uids == sorted(uids) for uids in decodes), decodes
+
+
 def test_token_pool_holds_prompt_and_outputs(model_dir, make_llm) -> None:
     """The token pool row of a request holds its prompt, then each sampled token."""
     path = model_dir("tiny-qwen3")
