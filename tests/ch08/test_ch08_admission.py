@@ -68,6 +68,21 @@ def test_requests_wait_for_kv_room_and_still_match_hf(name: str, model_dir, make
                if phase == "decode")
 
 
+def test_estimate_rounds_up(model_dir, make_llm, caplog) -> None:
+    """Eight 2-token prompts, 8 output tokens each, 20 pages of 4: each ends up in 3 pages (24
+    in all). Estimating prompt + output (10 each, 80 in all) admits all eight at once and runs
+    out of pages in the 7th decode; with the page of rounding (13 each) six come in first."""
+    path = model_dir("tiny-qwen3")
+    ids = [[3 + 2 * i, 4 + 2 * i] for i in range(8)]
+    llm = make_llm(path, page_size=4, num_page_override=20)
+    with caplog.at_level(logging.DEBUG, logger="minisgl.scheduler"):
+        outputs = llm.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    for x, out in zip(ids, outputs):
+        assert out["token_ids"] == hf_greedy(path, x, 8)[0]
+    prefills = [uids for phase, uids in batches(caplog) if phase == "prefill"]
+    assert prefills == [[0, 1, 2, 3, 4, 5], [6, 7]]
+
+
 def test_a_request_never_needs_more_than_an_empty_pool(model_dir, make_llm) -> None:
     """max_tokens is clipped so that prompt + output + a page of rounding fits the whole pool
     (20 pages of 4 = 80 slots): otherwise the request could never be admitted."""
