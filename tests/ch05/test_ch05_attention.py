@@ -155,16 +155,37 @@ def test_backend_matches_float64_property(spec: list[tuple[int, int]], decode: b
 
 
 def test_metadata_reads_the_page_table() -> None:
+    """The padded block: slots from the page table (padding repeats a request's first slot),
+    a length-and-causal mask, and q / output indices that are each other's inverse."""
     with global_ctx(4) as ctx:
         _, _, batch = run_backend([(5, 4), (0, 7), (2, 1)], "prefill", 4, 2, 4, seed=3)
         meta = batch.attn_metadata
         assert isinstance(meta, TorchMetadata)
-        assert meta.q_starts == [0, 4, 11]
-        assert meta.q_lens == [4, 7, 1]
-        assert meta.cached_lens == [5, 0, 2]
-        for i, (slots, total) in enumerate(zip(meta.kv_slots, [9, 7, 3])):
-            assert slots.dtype == torch.int64
-            assert torch.equal(slots, ctx.page_table[i, :total].long())
+        assert meta.kv_slots.shape == (3, 9) and meta.kv_slots.dtype == torch.int64
+        for i, total in enumerate([9, 7, 3]):
+            row = ctx.page_table[i].long()
+            assert torch.equal(meta.kv_slots[i, :total], row[:total])
+            assert (meta.kv_slots[i, total:] == row[0]).all()
+        assert meta.mask.shape == (3, 1, 7, 9)
+        # request 0: query j sits at position 5 + j and sees keys 0..5+j
+        assert meta.mask[0, 0, 0].tolist() == [True] * 6 + [False] * 3
+        assert meta.mask[0, 0, 3].tolist() == [True] * 9
+        # request 2 (cached 2, one new token): its one real query sees its 3 keys, not more
+        assert meta.mask[2, 0, 0].tolist() == [True] * 3 + [False] * 6
+        assert meta.q_index is not None and meta.out_index is not None
+        assert meta.q_index[1].tolist() == list(range(4, 11))
+        flat = torch.arange(12)
+        assert torch.equal(flat[meta.q_index].reshape(-1)[meta.out_index], flat)
+
+
+def test_decode_metadata_needs_no_q_index() -> None:
+    with global_ctx(1):
+        _, _, batch = run_backend([(0, 1), (6, 1), (3, 1)], "decode", 4, 2, 1, seed=5)
+        meta = batch.attn_metadata
+        assert isinstance(meta, TorchMetadata)
+        assert meta.q_index is None and meta.out_index is None
+        assert meta.mask.shape == (3, 1, 1, 7)
+        assert meta.mask[:, 0, 0].sum(-1).tolist() == [1, 7, 4]
 
 
 # --- registry and interface -------------------------------------------------------------------
