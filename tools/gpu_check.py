@@ -154,10 +154,10 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def check_speed(path: Path, n: int) -> list[str]:
-    """64 requests, input and output lengths uniform in 100..512 (seed 0), bfloat16: our
-    LLM.generate against HF padded generate and HF continuous batching; each row is printed
-    as soon as it is measured."""
+def check_speed(path: Path, n: int, rounds: int, cb: bool) -> list[str]:
+    """n requests, input and output lengths uniform in 100..512 (seed 0), bfloat16: our
+    LLM.generate (overlap on and off) and HF's padded generate, each run `rounds` times in
+    turns after a warm-up run of each, medians reported; HF continuous batching once."""
     g = torch.Generator().manual_seed(0)
     in_lens = torch.randint(100, 513, (n,), generator=g).tolist()
     out_lens = torch.randint(100, 513, (n,), generator=g).tolist()
@@ -165,27 +165,29 @@ def check_speed(path: Path, n: int) -> list[str]:
     prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in in_lens]
     useful = sum(out_lens)
     lines = [f"speed workload: {n} requests, prompts {sum(in_lens)} tokens, outputs {useful} "
-             f"tokens (max {max(out_lens)}), bfloat16, {path.name}"]
+             f"tokens (max {max(out_lens)}), bfloat16, {path.name}; median of {rounds} rounds "
+             f"taken in turns after one warm-up run each"]
     print(lines[0], flush=True)
 
-    def row(label: str, seconds: float, extra: str = "") -> None:
-        lines.append(f"  {label:<42} {seconds:7.1f} s  {useful / seconds:8.0f} output tok/s"
-                     + extra)
+    def row(label: str, times: list[float], extra: str = "") -> None:
+        sec = statistics.median(times)
+        lines.append(f"  {label:<42} {sec:7.1f} s  {useful / sec:8.0f} output tok/s"
+                     f" (min {min(times):.1f} s, max {max(times):.1f} s)" + extra)
         print(lines[-1], flush=True)
 
-    def ours(overlap: bool) -> None:
-        llm = make_llm(path, overlap, dtype=torch.bfloat16)
-        params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in out_lens]
-        llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        decode_before = llm.stats.decode_batches
-        seconds = timed(lambda: llm.generate(prompts, params))
-        steps = llm.stats.decode_batches - decode_before
-        llm.shutdown()
-        row(f"ours LLM.generate, overlap {'on' if overlap else 'off'}", seconds,
-            f", {steps} decode steps, {seconds / steps * 1e3:.0f} ms per step")
-        torch.cuda.empty_cache()
+    # one LLM (one Engine per process), overlap switched per run; KV room for every request
+    llm = make_llm(path, True, dtype=torch.bfloat16, max_running_req=n,
+                   num_page_override=sum(in_lens) + useful + 1024)
+    params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in out_lens]
+    steps: dict[bool, list[float]] = {True: [], False: []}
 
-    ours(True)
+    def ours(overlap: bool) -> float:
+        llm.overlap = overlap
+        before = llm.stats.decode_batches
+        seconds = timed(lambda: llm.generate(prompts, params))
+        steps[overlap].append(seconds / (llm.stats.decode_batches - before))
+        return seconds
+
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     hf.eval()
     gc = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
@@ -198,12 +200,31 @@ def check_speed(path: Path, n: int) -> list[str]:
         x[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     x, mask = x.cuda(), mask.cuda()
-    warm = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
-                                         max_new_tokens=8)
-    hf.generate(x[:4, -16:], attention_mask=mask[:4, -16:], generation_config=warm)
-    seconds = timed(lambda: hf.generate(x, attention_mask=mask, generation_config=gc))
-    row("HF generate, one left-padded batch", seconds,
-        f" (computes {n * max(out_lens)} output tokens)")
+
+    def hf_padded() -> float:
+        return timed(lambda: hf.generate(x, attention_mask=mask, generation_config=gc))
+
+    runs = {"ours LLM.generate, overlap on": lambda: ours(True),
+            "ours LLM.generate, overlap off": lambda: ours(False),
+            "HF generate, one left-padded batch": hf_padded}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(rounds + 1):  # round 0 warms every kernel and shape up; not counted
+        for name, run in runs.items():
+            seconds = run()
+            print(f"    round {i} {name}: {seconds:.1f} s", flush=True)
+            if i:
+                times[name].append(seconds)
+    for overlap in (True, False):
+        del steps[overlap][0]
+    for name, ts in times.items():
+        extra = ""
+        if name.startswith("ours"):
+            per_step = statistics.median(steps[name.endswith("on")])
+            extra = f", {per_step * 1e3:.1f} ms per decode step"
+        elif name.startswith("HF generate"):
+            extra = f" (computes {n * max(out_lens)} output tokens)"
+        row(name, ts, extra)
+    llm.shutdown()
     torch.cuda.empty_cache()
 
     def hf_cb(reqs: list[list[int]], lens: list[int], deadline: float) -> None:
@@ -222,15 +243,15 @@ def check_speed(path: Path, n: int) -> list[str]:
         finally:
             manager.stop(block=True)
 
+    if not cb:
+        return lines
     try:
         hf_cb(prompts[:4], [8] * 4, time.perf_counter() + 60)  # warm-up
         seconds = timed(lambda: hf_cb(prompts, out_lens, time.perf_counter() + 150))
-        row("HF continuous batching (init_continuous_batching)", seconds)
+        row("HF continuous batching (once)", [seconds])
     except Exception as exc:  # noqa: BLE001 (report what failed, keep the other rows)
         lines.append(f"  HF continuous batching failed: {type(exc).__name__}: {exc}"[:300])
         print(lines[-1], flush=True)
-    torch.cuda.empty_cache()
-    ours(False)
     return lines
 
 
@@ -239,6 +260,8 @@ def main() -> None:
     parser.add_argument("checks", nargs="+", choices=["stage1", "align", "bf16", "speed"])
     parser.add_argument("--model", type=Path, help="a Qwen3-0.6B-shaped model (bf16, speed)")
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5, help="speed: timed rounds per method")
+    parser.add_argument("--no-cb", action="store_true", help="speed: skip HF continuous batching")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this script is for a GPU machine")
@@ -255,7 +278,7 @@ def main() -> None:
             if args.model:
                 lines += check_bf16(args.model, args.model.name)
         elif check == "speed":
-            lines += check_speed(args.model, args.requests)
+            lines += check_speed(args.model, args.requests, args.rounds, not args.no_cb)
         print("\n".join(lines[-1:]), flush=True)
     print("\n".join(lines))
     failed = sum(line.startswith("FAIL") for line in lines)
