@@ -175,8 +175,9 @@ def check_speed(path: Path, n: int, rounds: int, cb: bool) -> list[str]:
                      f" (min {min(times):.1f} s, max {max(times):.1f} s)" + extra)
         print(lines[-1], flush=True)
 
-    # one LLM (one Engine per process), overlap switched per run; KV room for every request
-    llm = make_llm(path, True, dtype=torch.bfloat16, max_running_req=n,
+    # one LLM (one Engine per process), overlap switched per run; KV room for every request;
+    # no prefix cache, so that every run computes every prompt again, as HF does
+    llm = make_llm(path, True, dtype=torch.bfloat16, max_running_req=n, cache_type="naive",
                    num_page_override=sum(in_lens) + useful + 1024)
     params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in out_lens]
     steps: dict[bool, list[float]] = {True: [], False: []}
