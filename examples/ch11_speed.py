@@ -1,17 +1,20 @@
-"""第 11 章示例：CPU 上同样三个提示词、各生成 16 个 token，我们的 LLM.generate 与 HF transformers
-的 generate（逐个提示词，以及左填充成一批）谁快。SmolLM2-135M-Instruct，float32，贪心。
+"""第 11 章示例：CPU 上我们的 LLM.generate 与 HF transformers 的 generate（左填充成一批）谁快。
+SmolLM2-135M-Instruct，float32，两边同一个进程、同样的 torch 线程数。
 
-    python examples/ch11_speed.py            # 预热 2 轮，再计时 20 轮
-    python examples/ch11_speed.py --reps 40
-    python examples/ch11_speed.py --quick    # 冒烟测试：不预热，1 轮，每个提示词 4 个 token
+    python examples/ch11_speed.py                       # 三种负载，各 5 轮
+    python examples/ch11_speed.py --workload mixed --reps 10
+    python examples/ch11_speed.py --quick               # 冒烟测试：每种负载 1 轮、4 个 token
 
-三种做法轮流执行（我们、HF 逐个、HF 成批、我们、……），两边用同样的 torch 线程数；每种做法取
-各轮耗时的中位数（另给最小、最大值）。我们这边用 cache_type="naive"，每轮都重新计算整个提示词，
-和 HF 一样不借前一轮的前缀缓存。最后核对我们的 token 与 HF 逐个生成的是否逐一相同。
+负载：
+- mixed：8 个长短不一的提示词（取自 tools/tiny_corpus.txt，16～320 个 token），贪心，
+  各 32 个 token；
+- nano：nano-vllm 的示例负载放大到 32 个对话提示词，temperature=0.6，各 256 个 token，忽略 EOS；
+- loaded：mixed，但同时有另一个进程占满一个核（看两边各慢了多少）。
+每种负载先各跑一次预热，再轮流计时（我们、HF、我们、……），取中位数。我们这边用
+cache_type="naive"：和 HF 一样每轮重算整个提示词，不借前缀缓存。
 """
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -31,119 +34,118 @@ from minisgl.llm import LLM  # noqa: E402
 from minisgl.utils.device import physical_cores  # noqa: E402
 
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three prime numbers:"]
-NEW_TOKENS = 16
-WARMUP = 2
+MIXED_LENS = [16, 40, 72, 100, 140, 190, 250, 320]
+NANO_PROMPTS = ["introduce yourself", "list all prime numbers within 100"]  # nano-vllm's example
+BUSY = "import time\nend = time.time() + 3600\nwhile time.time() < end: pass\n"
 
 Run = Callable[[], list[list[int]]]  # one round: the new token ids of every prompt
 
 
 def cpu_model() -> str:
-    """The "model name" line of /proc/cpuinfo, or "unknown CPU"."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    except OSError:
-        pass
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
     return "unknown CPU"
 
 
-def ours_run(llm: LLM) -> Run:
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    return lambda: [list(out["token_ids"]) for out in llm.generate(PROMPTS, params)]
+def workload(name: str, tokenizer, quick: bool) -> tuple[list[list[int]], SamplingParams]:
+    """Prompts as token ids, and the sampling parameters of every request."""
+    if name in ("mixed", "loaded"):
+        corpus = tokenizer((ROOT / "tools" / "tiny_corpus.txt").read_text())["input_ids"]
+        prompts = [corpus[20 * i: 20 * i + n] for i, n in enumerate(MIXED_LENS)]
+        return prompts, SamplingParams(max_tokens=4 if quick else 32, ignore_eos=True)
+    chats = [[{"role": "user", "content": p}] for p in NANO_PROMPTS * 16]
+    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False) for c in chats]
+    return prompts, SamplingParams(temperature=0.6, max_tokens=4 if quick else 256,
+                                   ignore_eos=True)
 
 
-def hf_one_by_one(model: torch.nn.Module, tokenizer: transformers.PreTrainedTokenizerBase) -> Run:
-    prompts = [torch.tensor([tokenizer(p)["input_ids"]]) for p in PROMPTS]
+def ours(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Run:
+    return lambda: [list(out["token_ids"]) for out in llm.generate(prompts, params)]
+
+
+def hf_batched(model: torch.nn.Module, pad_id: int, prompts: list[list[int]],
+               params: SamplingParams) -> Run:
+    """One left-padded batch; sampling like ours: temperature only, no top-k / top-p."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    sample = params.temperature > 0
+    config = transformers.GenerationConfig(
+        max_new_tokens=params.max_tokens, min_new_tokens=params.max_tokens, do_sample=sample,
+        temperature=params.temperature if sample else None, top_k=0 if sample else None,
+        top_p=1.0 if sample else None, eos_token_id=None, pad_token_id=pad_id)
 
     def run() -> list[list[int]]:
-        outs = []
-        for ids in prompts:  # an explicit mask: HF would otherwise hide prompt tokens = pad id
-            seq = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False)
-            outs.append(seq[0, ids.shape[1]:].tolist())
-        return outs
-
-    return run
-
-
-def hf_batched(model: torch.nn.Module, tokenizer: transformers.PreTrainedTokenizerBase) -> Run:
-    tokenizer.padding_side = "left"  # new tokens go right after every prompt's last token
-    batch = tokenizer(PROMPTS, padding=True, return_tensors="pt")
-    width = batch["input_ids"].shape[1]
-
-    def run() -> list[list[int]]:
-        seq = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
+        seq = model.generate(ids, attention_mask=mask, generation_config=config)
         return seq[:, width:].tolist()
 
     return run
 
 
-def first_difference(a: list[int], b: list[int]) -> str:
-    if a == b:
-        return "same"
-    if len(a) != len(b):
-        return f"lengths {len(a)} and {len(b)}"
-    return f"differ from token {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)} on"
+def measure(runs: dict[str, Run], reps: int) -> tuple[dict[str, list[float]], dict]:
+    """One warm-up run each, then `reps` rounds taken in turns."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    tokens: dict[str, list[list[int]]] = {}
+    for i in range(reps + 1):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            tokens[name] = run()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    return times, tokens
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="minisgl LLM.generate against HF generate")
-    parser.add_argument("--reps", type=int, default=20, help="timed rounds (after 2 warm-up)")
+    parser.add_argument("--workload", choices=["mixed", "nano", "loaded"], action="append")
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds after one warm-up")
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 round of 4 tokens")
     args = parser.parse_args()
-    if args.quick:  # what `tools/steps.py check` runs: the same code, in seconds
-        global WARMUP, NEW_TOKENS
-        WARMUP, NEW_TOKENS, args.reps = 0, 4, 1
+    names = args.workload or ["mixed", "nano", "loaded"]
+    reps = 1 if args.quick else args.reps
     if not (MODEL / "config.json").is_file():
         subprocess.run([sys.executable, str(ROOT / "tools" / "models.py"), "smollm2"], check=True)
-    os.environ.pop("OMP_NUM_THREADS", None)  # the Engine picks one thread per physical core
-    llm = LLM(str(MODEL), dtype=torch.float32, cache_type="naive")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads)  # one process: HF runs with the very same setting
+    llm = LLM(str(MODEL), dtype=torch.float32, cache_type="naive", max_running_req=32)
+    threads = torch.get_num_threads()  # the Engine's choice: one per physical core
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # never stop early: all 16 tokens, as ours
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
     print(f"machine: {cpu_model()}, {physical_cores()} physical cores; {threads} torch threads "
           f"on both sides; torch {torch.__version__}, transformers {transformers.__version__}")
-    print(f"{MODEL.name}, float32, greedy; {len(PROMPTS)} prompts, {NEW_TOKENS} new tokens each")
-
-    runs = {
-        "minisgl LLM.generate, 3 prompts in one call": ours_run(llm),
-        "HF generate, one prompt at a time": hf_one_by_one(model, tokenizer),
-        "HF generate, 3 prompts left-padded": hf_batched(model, tokenizer),
-    }
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    tokens: dict[str, list[list[int]]] = {}
-    for i in range(WARMUP + args.reps):  # in turns: every method sees the same machine state
-        for name, run in runs.items():
-            start = time.perf_counter()
-            tokens[name] = run()
-            elapsed = time.perf_counter() - start
-            if i >= WARMUP:
-                times[name].append(elapsed)
-
-    n_new = len(PROMPTS) * NEW_TOKENS
-    print(f"time of one round ({n_new} new tokens), median of {args.reps} rounds "
-          f"after {WARMUP} warm-up rounds:")
-    medians = {}
-    for name, ts in times.items():
-        medians[name] = statistics.median(ts)
-        print(f"  {name:<44}  {medians[name]:.2f} s (min {min(ts):.2f} s, max {max(ts):.2f} s),"
-              f" {n_new / medians[name]:.1f} tok/s")
-    ours, one, batched = medians.values()
-    print(f"HF one prompt at a time / minisgl: {one / ours:.2f}x")
-    print(f"HF left-padded batch / minisgl:    {batched / ours:.2f}x")
-
-    ours_tokens, one_tokens, batched_tokens = tokens.values()
-    same = sum(a == b for a, b in zip(ours_tokens, one_tokens))
-    print(f"minisgl tokens equal HF one-at-a-time tokens for {same} of {len(PROMPTS)} prompts")
-    for prompt, a, b, c in zip(PROMPTS, ours_tokens, one_tokens, batched_tokens):
-        print(f"  {prompt!r}: HF one at a time {first_difference(a, b)}, "
-              f"HF batched {first_difference(a, c)}")
+    print(f"{MODEL.name}, float32; median of {reps} rounds taken in turns, after a warm-up")
+    medians: dict[str, dict[str, float]] = {}
+    for name in names:
+        prompts, params = workload(name, tokenizer, args.quick)
+        runs = {"minisgl": ours(llm, prompts, params),
+                "HF": hf_batched(model, tokenizer.pad_token_id, prompts, params)}
+        busy = subprocess.Popen([sys.executable, "-c", BUSY]) if name == "loaded" else None
+        try:
+            times, tokens = measure(runs, reps)
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+        n_new = len(prompts) * params.max_tokens
+        lens = sorted(map(len, prompts))
+        kind = "greedy" if params.temperature == 0 else f"temperature {params.temperature}"
+        print(f"{name}: {len(prompts)} prompts of {lens[0]}-{lens[-1]} tokens, {kind}, "
+              f"{params.max_tokens} new tokens each ({n_new} in all)"
+              + (", another process keeping one core busy" if busy else ""))
+        medians[name] = {}
+        for method, ts in times.items():
+            medians[name][method] = statistics.median(ts)
+            print(f"  {method:<8} {medians[name][method]:7.2f} s (min {min(ts):.2f} s, "
+                  f"max {max(ts):.2f} s), {n_new / medians[name][method]:.1f} tok/s")
+        print(f"  HF / minisgl: {medians[name]['HF'] / medians[name]['minisgl']:.2f}x")
+        if params.temperature == 0:
+            same = sum(a == b for a, b in zip(tokens["minisgl"], tokens["HF"]))
+            print(f"  minisgl tokens equal HF's for {same} of {len(prompts)} prompts")
+    if "mixed" in medians and "loaded" in medians:
+        for method in ("minisgl", "HF"):
+            slower = medians["loaded"][method] / medians["mixed"][method]
+            print(f"under load, {method} took {slower:.2f}x its unloaded time")
     llm.shutdown()
 
 
