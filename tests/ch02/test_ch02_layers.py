@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisgl.core import Batch, Context, Req, SamplingParams, get_global_ctx, set_global_ctx
-from minisgl.kernel import apply_rope, embedding, fused_add_rms_norm, rms_norm, silu_and_mul
+from minisgl.kernel import (
+    apply_rope,
+    embedding,
+    fused_add_rms_norm,
+    rms_norm,
+    rope_cos_sin,
+    silu_and_mul,
+)
 from minisgl.layers import (
     BaseOP,
     LinearColParallelMerged,
@@ -353,6 +360,33 @@ def test_rotary_embedding_builds_its_table_on_cpu_under_meta() -> None:
     rq, rk = rotary.forward(pos, q, k)
     close(rq, ref_rope(q, pos, hq, theta), torch.float32)
     close(rk, ref_rope(k, pos, hkv, theta), torch.float32)
+
+
+def test_rotary_looks_the_table_up_once_per_positions_tensor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import minisgl.layers.rotary as rotary_module
+
+    calls: list[torch.Tensor] = []
+
+    def counting(positions: torch.Tensor, *rest: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(positions)
+        return rope_cos_sin(positions, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rotary_module, "rope_cos_sin", counting)
+    d, hq, hkv, theta = 16, 2, 1, 1e4
+    rotary = RotaryEmbedding(d, 64, theta)
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(3, hq * d, generator=g), torch.randn(3, hkv * d, generator=g)
+    pos = torch.tensor([1, 2, 3])
+    for _ in range(4):  # four layers of one forward pass share the batch's positions
+        rq, _ = rotary.forward(pos, q, k)
+    assert len(calls) == 1
+    close(rq, ref_rope(q, pos, hq, theta), torch.float32)
+    later = torch.tensor([9, 0, 63])  # the next batch brings a new tensor: looked up again
+    rq, rk = rotary.forward(later, q, k)
+    assert len(calls) == 2
+    close(rq, ref_rope(q, later, hq, theta), torch.float32)
+    close(rk, ref_rope(k, later, hkv, theta), torch.float32)
 
 
 def test_embedding_layer_and_tied_head_share_the_table(ctx: Context) -> None:

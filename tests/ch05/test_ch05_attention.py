@@ -166,12 +166,17 @@ def test_metadata_reads_the_page_table() -> None:
             row = ctx.page_table[i].long()
             assert torch.equal(meta.kv_slots[i, :total], row[:total])
             assert (meta.kv_slots[i, total:] == row[0]).all()
-        assert meta.mask.shape == (3, 1, 7, 9)
+        # additive, in the cache's dtype: 0 where a query may look, -inf where it may not
+        assert meta.mask.dtype == ctx.kv_cache.k_cache(0).dtype
+        assert set(meta.mask.unique().tolist()) == {0.0, float("-inf")}
+        allowed = meta.mask == 0
+        assert allowed.shape == (3, 1, 2 * 7, 9)  # rows (h, j): 2 q heads per kv head x 7
+        assert torch.equal(allowed[:, :, :7], allowed[:, :, 7:])  # both heads see the same
         # request 0: query j sits at position 5 + j and sees keys 0..5+j
-        assert meta.mask[0, 0, 0].tolist() == [True] * 6 + [False] * 3
-        assert meta.mask[0, 0, 3].tolist() == [True] * 9
+        assert allowed[0, 0, 0].tolist() == [True] * 6 + [False] * 3
+        assert allowed[0, 0, 3].tolist() == [True] * 9
         # request 2 (cached 2, one new token): its one real query sees its 3 keys, not more
-        assert meta.mask[2, 0, 0].tolist() == [True] * 3 + [False] * 6
+        assert allowed[2, 0, 0].tolist() == [True] * 3 + [False] * 6
         assert meta.q_index is not None and meta.out_index is not None
         assert meta.q_index[1].tolist() == list(range(4, 11))
         flat = torch.arange(12)
@@ -185,7 +190,7 @@ def test_decode_metadata_needs_no_q_index() -> None:
         assert isinstance(meta, TorchMetadata)
         assert meta.q_index is None and meta.out_index is None
         assert meta.mask.shape == (3, 1, 1, 7)
-        assert meta.mask[:, 0, 0].sum(-1).tolist() == [1, 7, 4]
+        assert (meta.mask[:, 0, 0] == 0).sum(-1).tolist() == [1, 7, 4]
 
 
 # --- registry and interface -------------------------------------------------------------------

@@ -7,12 +7,12 @@ import logging
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from minisgl.core import Req, SamplingParams
-from minisgl.scheduler.cache import CacheManager
+from minisgl.scheduler.cache import CacheManager, table_cells
 from minisgl.scheduler.table import TableManager
 
 from reference import hf_greedy, hf_tokenizer
@@ -238,3 +238,12 @@ def test_table_rows_cannot_be_freed_twice() -> None:
     table.free(row)
     with pytest.raises(RuntimeError, match="freed twice"):
         table.free(row)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 40), st.integers(0, 9)), max_size=8))
+def test_table_cells_match_a_loop_over_cells(spans: list[tuple[int, int, int]]) -> None:
+    rows, cols = table_cells(spans, torch.device("cpu"))
+    expected = [(row, first + i) for row, first, length in spans for i in range(length)]
+    assert rows.dtype == cols.dtype == torch.int64
+    assert list(zip(rows.tolist(), cols.tolist())) == expected

@@ -25,7 +25,7 @@ class TorchMetadata(BaseAttnMetadata):
     """The batch padded to B requests x Q queries x L keys, as index tensors on the device."""
 
     kv_slots: torch.Tensor  # [B, L] int64: KV slot of each request's key position
-    mask: torch.Tensor  # [B, 1, Q, L] bool: may query j of request b see key position k?
+    mask: torch.Tensor  # [B, 1, g * Q, L]: 0 where row (h, j) of request b may see key k, else -inf
     q_index: torch.Tensor | None  # [B, Q]: row of the flat q for (b, j); None when Q == 1
     out_index: torch.Tensor | None  # [T]: row of the padded output for each flat query
 
@@ -44,7 +44,8 @@ class TorchBackend(BaseAttnBackend):
     def prepare_metadata(self, batch: Batch) -> None:
         """Once per batch (every layer reuses it): one small host-to-device copy of the
         per-request lengths, then tensor ops only (no loop over tokens, no sync)."""
-        page_table = get_global_ctx().page_table
+        ctx = get_global_ctx()
+        page_table, dtype = ctx.page_table, ctx.kv_cache.k_cache(0).dtype
         device, reqs = page_table.device, batch.padded_reqs
         q_max = max(req.extend_len for req in reqs)
         kv_max = max(req.device_len for req in reqs)
@@ -60,7 +61,8 @@ class TorchBackend(BaseAttnBackend):
         table = page_table[rows, :kv_max].long()
         kv_slots = torch.where(key_ok, table, table[:, :1])
         if q_max == 1:  # decode: one query per request, which sees all of its keys
-            batch.attn_metadata = TorchMetadata(kv_slots, key_ok[:, None, None, :], None, None)
+            mask = _additive(key_ok[:, None, None, :], dtype)
+            batch.attn_metadata = TorchMetadata(kv_slots, mask, None, None)
             return
         j = torch.arange(q_max, device=device)
         q_pos = cached_lens[:, None] + j[None, :]  # [B, Q]: query j sits at cached_len + j
@@ -71,7 +73,8 @@ class TorchBackend(BaseAttnBackend):
         owner = torch.repeat_interleave(torch.arange(len(reqs), device=device), q_lens,
                                         output_size=num_tokens)  # request of each flat row
         out_index = owner * q_max + torch.arange(num_tokens, device=device) - starts[owner]
-        batch.attn_metadata = TorchMetadata(kv_slots, mask[:, None], q_index, out_index)
+        mask = _additive(mask[:, None].repeat(1, 1, self.group, 1), dtype)  # rows follow (g, Q)
+        batch.attn_metadata = TorchMetadata(kv_slots, mask, q_index, out_index)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
@@ -88,14 +91,21 @@ class TorchBackend(BaseAttnBackend):
         q_len = padded.shape[1]
         # q head h belongs to kv head h // g: [B, Q, Hkv, g, D] -> [B, Hkv, g * Q, D]
         queries = padded.view(b, q_len, hkv, g, head_dim).permute(0, 2, 3, 1, 4)
-        mask = meta.mask if q_len == 1 else meta.mask.repeat(1, 1, g, 1)  # rows follow (g, Q)
         with sdpa_kernel(KERNELS):
             out = F.scaled_dot_product_attention(queries.reshape(b, hkv, g * q_len, head_dim),
-                                                 keys, values, attn_mask=mask, scale=self.scale)
+                                                 keys, values, attn_mask=meta.mask,
+                                                 scale=self.scale)
         # back to [B * Q, Hq, D], then keep the real queries in the flat order
         out = out.view(b, hkv, g, q_len, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(b * q_len, num_qo_heads, head_dim)
         return out if meta.out_index is None else out.index_select(0, meta.out_index)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The boolean mask as the additive one SDPA would otherwise build from it in every layer:
+    0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf"))
 
 
 def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -2,18 +2,22 @@
 
 from .reference import (
     apply_rope,
+    apply_rope_with,
     embedding,
     fused_add_rms_norm,
     rms_norm,
+    rope_cos_sin,
     silu_and_mul,
     store_cache,
 )
 
 __all__ = [
     "apply_rope",
+    "apply_rope_with",
     "embedding",
     "fused_add_rms_norm",
     "rms_norm",
+    "rope_cos_sin",
     "silu_and_mul",
     "store_cache",
 ]

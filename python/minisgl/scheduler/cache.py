@@ -54,16 +54,9 @@ class CacheManager:
             return
         pages = self._allocate(needed)
         slots = (pages[:, None] + torch.arange(ps, dtype=torch.int32, device=self.device)).view(-1)
-        rows = torch.empty(len(slots), dtype=torch.int64, pin_memory=pin_memory(self.device))
-        cols = torch.empty(len(slots), dtype=torch.int64, pin_memory=pin_memory(self.device))
-        offset = 0
-        for row, first, last in spans:
-            n = (last - first) * ps
-            rows[offset : offset + n] = row
-            torch.arange(first * ps, last * ps, out=cols[offset : offset + n])
-            offset += n
-        self.page_table[rows.to(self.device, non_blocking=True),
-                        cols.to(self.device, non_blocking=True)] = slots
+        cells = table_cells([(row, first * ps, (last - first) * ps) for row, first, last in spans],
+                            self.device)
+        self.page_table[cells] = slots
 
     def cache_req(self, req: Req, *, finished: bool) -> None:
         """Hand the request's computed K/V (positions 0..cached_len-1) to the prefix cache.
@@ -114,3 +107,19 @@ class CacheManager:
         """Return the pages of a page-aligned run of slots."""
         if len(slots):
             self.free_slots = torch.cat([self.free_slots, slots[:: self.page_size]])
+
+
+def table_cells(spans: list[tuple[int, int, int]],
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page-table cells covered by spans of (row, first column, length), as int64 row and
+    column tensors on the device. A few tensor ops, however many cells: a Python loop over
+    cells or spans would cost a few microseconds each, at every step."""
+    host = torch.tensor(spans, dtype=torch.int64).view(-1, 3)
+    rows, firsts, lengths = host.unbind(1)
+    total = sum(length for _, _, length in spans)
+    starts = torch.cumsum(lengths, 0) - lengths  # where each span begins in the output
+    cols = torch.arange(total) + (firsts - starts).repeat_interleave(lengths, output_size=total)
+    cells = torch.empty(2, total, dtype=torch.int64, pin_memory=pin_memory(device))
+    torch.stack([rows.repeat_interleave(lengths, output_size=total), cols], out=cells)
+    cells = cells.to(device, non_blocking=True)
+    return cells[0], cells[1]

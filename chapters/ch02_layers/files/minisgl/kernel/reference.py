@@ -7,10 +7,11 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, normalised in float32 and rounded
+    to x's dtype before the weight, as HF does. torch's rms_norm is one fused op (one kernel on
+    a GPU) where pow, mean, add, rsqrt and mul would be five."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -21,24 +22,37 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm(residual, weight, eps), residual
 
 
-def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq*D] and k [T, Hk*D] by position (NeoX layout: dim j pairs with j + D/2).
+def rope_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table's rows for these positions as [T, 1, D] factors in dtype: cos repeated over
+    both halves, and sin with the first half negated (see apply_rope_with).
 
     cos_sin_cache is [max_position, D] in float32: cos in the first half, sin in the second.
     """
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
-    cos = torch.cat([cos, cos], -1)[:, None, :]
-    sin = torch.cat([sin, sin], -1)[:, None, :]
-    head_dim = cos_sin_cache.shape[-1]
+    cos = torch.cat([cos, cos], -1)[:, None, :].to(dtype)
+    sin = torch.cat([-sin, sin], -1)[:, None, :].to(dtype)
+    return cos, sin
+
+
+def apply_rope_with(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq*D] and k [T, Hk*D] (NeoX layout: dim j pairs with j + D/2) with factors
+    from rope_cos_sin: x*cos + roll(x, D/2)*sin, where roll swaps the halves and sin's sign
+    makes the first half -x2*sin, the same products HF's rotate_half forms."""
+    head_dim = cos.shape[-1]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x = x.view(x.shape[0], -1, head_dim)
-        x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2 :]
-        rotated = torch.cat([-x2, x1], -1)
-        return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype)).flatten(1)
+        return (x * cos + x.roll(head_dim // 2, -1) * sin).flatten(1)
 
     return rotate(q), rotate(k)
+
+
+def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq*D] and k [T, Hk*D] by position, looking the factors up in the table."""
+    return apply_rope_with(q, k, *rope_cos_sin(positions, cos_sin_cache, q.dtype))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

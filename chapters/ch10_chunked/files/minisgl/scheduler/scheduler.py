@@ -14,7 +14,7 @@ from minisgl.core import Batch
 from minisgl.engine import BatchSamplingArgs, Engine, ForwardOutput
 from minisgl.utils.device import pin_memory
 
-from .cache import CacheManager
+from .cache import CacheManager, table_cells
 from .config import SchedulerConfig
 from .decode import DecodeManager
 from .prefill import ChunkedReq, PrefillManager
@@ -109,9 +109,8 @@ class Scheduler:
         batch.padded_reqs = batch.reqs  # padding to a captured graph size arrives in chapter 18
         self.cache_manager.allocate_paged(batch.reqs)
         pin = pin_memory(self.device)
-        rows = [r.table_idx for r in batch.padded_reqs for _ in range(r.extend_len)]
-        cols = [p for r in batch.padded_reqs for p in range(r.cached_len, r.device_len)]
-        load = (_to_device(rows, pin, self.device), _to_device(cols, pin, self.device))
+        load = table_cells([(r.table_idx, r.cached_len, r.extend_len) for r in batch.padded_reqs],
+                           self.device)  # the page-table cells of this batch's positions
         batch.positions = load[1].to(torch.int32)
         batch.out_loc = self.engine.page_table[load]
         # each sampled token goes to its request's next position; one that can never be read
