@@ -3,10 +3,18 @@
 from .backend import AbortBackendMsg, BackendMsg, BatchBackendMsg, ExitMsg, UserMsg
 from .codec import MessageError, decode, encode, message
 from .frontend import BatchFrontendMsg, FrontendMsg, UserReply
-from .tokenizer import AbortMsg, BatchTokenizerMsg, DetokenizeMsg, TokenizeMsg, TokenizerMsg
+from .tokenizer import (
+    AbortMsg,
+    BatchTokenizerMsg,
+    DetokenizeMsg,
+    DetokenizeSetupMsg,
+    TokenizeMsg,
+    TokenizerMsg,
+)
 
 __all__ = [
     "AbortBackendMsg", "AbortMsg", "BackendMsg", "BatchBackendMsg", "BatchFrontendMsg",
-    "BatchTokenizerMsg", "DetokenizeMsg", "ExitMsg", "FrontendMsg", "MessageError",
-    "TokenizeMsg", "TokenizerMsg", "UserMsg", "UserReply", "decode", "encode", "message",
+    "BatchTokenizerMsg", "DetokenizeMsg", "DetokenizeSetupMsg", "ExitMsg", "FrontendMsg",
+    "MessageError", "TokenizeMsg", "TokenizerMsg", "UserMsg", "UserReply", "decode", "encode",
+    "message",
 ]

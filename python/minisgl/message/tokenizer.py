@@ -38,6 +38,17 @@ class DetokenizeMsg:
 
 @message
 @dataclass
+class DetokenizeSetupMsg:
+    """From a tokenizer worker to the detokenizer (with --num-tokenizer N > 0, they are
+    different processes): what it needs to know of a new request before its first token."""
+
+    uid: int
+    prompt_tokens: int
+    stop: list[str]
+
+
+@message
+@dataclass
 class AbortMsg:
     """The API server gave up on a request (its client went away)."""
 
@@ -49,7 +60,7 @@ class AbortMsg:
 class BatchTokenizerMsg:
     """Several messages in one frame: one send and one wake-up for a whole step's tokens."""
 
-    data: list[TokenizeMsg | DetokenizeMsg | AbortMsg]
+    data: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg]
 
 
-TokenizerMsg = TokenizeMsg | DetokenizeMsg | AbortMsg | BatchTokenizerMsg
+TokenizerMsg = TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg | BatchTokenizerMsg
