@@ -1,5 +1,6 @@
 """The Scheduler: admits requests, builds batches, runs them, hands out tokens (chapter 7;
-admission in 8, prefix caching in 9, chunked prefill in 10, the overlap loop in 11)."""
+admission in 8, prefix caching in 9, chunked prefill in 10, the overlap loop in 11, aborts in
+14)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class Scheduler:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.overlap = os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0") != "1"
         self.finished_reqs: set[Req] = set()  # finished while the next batch was in flight
+        self.aborted: set[int] = set()  # uids to stop at their next token (chapter 14)
         self.stats = SchedulerStats()
 
     # -- the I/O a subclass provides: the offline LLM here, the server's process in chapter 14
@@ -90,6 +92,28 @@ class Scheduler:
                         req.sampling_params.max_tokens, room)
             req.sampling_params = dataclasses.replace(req.sampling_params, max_tokens=room)
         self.prefill_manager.add_one_req(req)
+
+    def abort_req(self, uid: int) -> None:
+        """Stop a request wherever it is. Waiting: it leaves the queue at once, with the row
+        and pages of any prompt chunks already computed. Running: it is marked, and its next
+        token finishes it on the usual path, after the batch in flight no longer needs its row
+        and pages. Finished, or unknown: nothing to do. A mark for a uid not seen yet stays,
+        in case the abort overtook its request (chapter 15's API server)."""
+        for i, pending in enumerate(self.prefill_manager.pending):
+            if pending.uid == uid:
+                del self.prefill_manager.pending[i]
+                if pending.chunked_req is not None:
+                    self._release(pending.chunked_req)
+                self.send_result([TokenReply(uid, -1, True, "abort")])
+                return
+        if not any(r.uid == uid for r in self.finished_reqs):
+            self.aborted.add(uid)
+
+    def _release(self, req: Req) -> None:
+        """A finished request gives back its table row; its K/V go to the prefix cache."""
+        self.decode_manager.remove_req(req)
+        self.table_manager.free(req.table_idx)
+        self.cache_manager.cache_req(req, finished=True)
 
     @property
     def runnable(self) -> bool:
@@ -211,16 +235,24 @@ class Scheduler:
             token = output.next_tokens_cpu[i]
             req.append_host(token)
             # counted on the host: with overlap, device_len already includes the batch in flight
-            finished = len(req.input_ids) >= req.max_device_len or (
-                not req.sampling_params.ignore_eos and int(token) == self.eos_token_id)
-            replies.append(TokenReply(req.uid, int(token), finished))
-            if finished:
+            value = int(token)
+            reason = _finish_reason(req, value, self.eos_token_id)
+            if req.uid in self.aborted:  # its token is dropped; its row and pages come back
+                self.aborted.discard(req.uid)
+                reason, value = "abort", -1
+            replies.append(TokenReply(req.uid, value, reason is not None, reason))
+            if reason is not None:
                 newly_finished.add(req)
-                self.decode_manager.remove_req(req)
-                self.table_manager.free(req.table_idx)
-                self.cache_manager.cache_req(req, finished=True)
+                self._release(req)
         self.finished_reqs = newly_finished
         self.send_result(replies)
+
+
+def _finish_reason(req: Req, token: int, eos_token_id: int) -> str | None:
+    """"stop" at the EOS (unless ignored), "length" at max_tokens or the context's end."""
+    if not req.sampling_params.ignore_eos and token == eos_token_id:
+        return "stop"
+    return "length" if len(req.input_ids) >= req.max_device_len else None
 
 
 def _to_device(values: list[int], pin: bool, device: torch.device) -> torch.Tensor:

@@ -36,8 +36,9 @@ class TokenReply(NamedTuple):
     """One sampled token of one request, handed to whoever waits for it."""
 
     uid: int
-    next_token: int
+    next_token: int  # -1 when there is none (an aborted request)
     finished: bool
+    finish_reason: str | None = None  # "stop", "length" or "abort" (chapter 14)
 
 
 @dataclass
