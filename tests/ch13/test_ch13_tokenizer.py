@@ -31,6 +31,8 @@ from minisgl.tokenizer import DetokenizeManager, TokenizeManager, tokenizer_work
 from minisgl.tokenizer.server import TokenizerServer
 from minisgl.utils.mp import IpcNamespace, ZmqPullQueue, ZmqPushQueue
 
+from reference import hf_greedy
+
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好，2+2=?"}]
 # English, Chinese and emoji (several of them 4 bytes, or several code points joined)
 PIECES = st.sampled_from(list("abc xyz.,!\n") + list("你好世界中文字") + ["🌍", "😀", "👍🏽", "é"])
@@ -147,15 +149,50 @@ def test_stop_string_across_two_tokens(tokenizer: PreTrainedTokenizerBase) -> No
 def test_server_answers_bad_prompts_and_waits_for_setups(
         tokenizer_path: str, tokenizer: PreTrainedTokenizerBase) -> None:
     a, b = tokenizer.encode("A") + tokenizer.encode("B")  # one token each
-    server = TokenizerServer(tokenizer_path, forward_setups=False)
+    server = TokenizerServer(tokenizer_path, forward_setups=False, setups_from_workers=True)
+    # as real templates do for, say, roles that do not alternate: not a ValueError
+    server.tokenize.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     to_scheduler, replies, setups = server.handle(
-        [TokenizeMsg(1, [9999], SamplingParams(), []), DetokenizeMsg(2, a, False)])
+        [TokenizeMsg(1, [9999], SamplingParams(), []), DetokenizeMsg(2, a, False),
+         TokenizeMsg(3, CHAT, SamplingParams(), [])])
     assert to_scheduler == [] and setups == []
-    assert replies[0].uid == 1 and replies[0].finish_reason == "error" and replies[0].finished
+    assert [(r.uid, r.finish_reason, r.finished) for r in replies] == [(1, "error", True),
+                                                                        (3, "error", True)]
+    assert "roles must alternate" in replies[1].error
     assert server.early[2]  # held: its setup has not come yet
     _, replies, _ = server.handle([DetokenizeSetupMsg(2, 4, []), DetokenizeMsg(2, b, True)])
     assert [(r.incremental_output, r.finished) for r in replies] == [("A", False), ("B", True)]
     assert replies[-1].prompt_tokens == 4 and replies[-1].completion_tokens == 2
+    assert not server.early
+
+
+def test_a_lone_process_drops_tokens_no_request_claims(tokenizer_path: str) -> None:
+    """Without workers every setup is made in the same handle() call as its request, so a
+    token for an unknown uid is a stray (its request was answered): kept, it would leak."""
+    server = TokenizerServer(tokenizer_path, forward_setups=False)
+    assert server.handle([DetokenizeMsg(7, 5, False)]) == ([], [], [])
+    assert not server.early
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
+def test_chat_in_text_out_equals_hf(arch: str, model_dir: Callable[[str], Path],
+                                    make_llm: Callable) -> None:
+    """The whole path but the sockets, for every architecture the server can load: the chat
+    is templated, the engine gives HF's greedy tokens for it, and the text streamed out token
+    by token equals HF's tokens decoded at once."""
+    path = model_dir(arch)
+    server = TokenizerServer(str(path), forward_setups=False)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    [user], _, _ = server.handle([TokenizeMsg(1, CHAT, params, [])])
+    prompt = user.input_ids.tolist()
+    tokens = make_llm(path, cache_type="naive").generate([prompt], params)[0]["token_ids"]
+    ref = hf_greedy(path, prompt, 12)[0]
+    assert tokens == ref
+    _, replies, _ = server.handle([DetokenizeMsg(1, t, i == 11, "length" if i == 11 else None)
+                                   for i, t in enumerate(tokens)])
+    text = server.detokenize.tokenizer.decode(ref, skip_special_tokens=True)
+    assert "".join(r.incremental_output for r in replies) == text
+    assert replies[-1].finish_reason == "length" and replies[-1].prompt_tokens == len(prompt)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +215,7 @@ def test_tokenizer_process_serves_real_sockets(
             common = dict(model_path=tokenizer_path, backend=ns.addr("backend"),
                           frontend=ns.addr("frontend"))
             procs.append(ctx.Process(target=tokenizer_worker, kwargs=dict(
-                common, inbox=ns.addr("detokenizer"), bind_inbox=True)))
+                common, inbox=ns.addr("detokenizer"), bind_inbox=True, has_workers=workers > 0)))
             if workers:
                 procs.append(ctx.Process(target=tokenizer_worker, kwargs=dict(
                     common, inbox=ns.addr("tokenizer"), bind_inbox=False,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from minisgl.message import (
 )
 from minisgl.scheduler import SchedulerConfig
 from minisgl.scheduler.io import ServerScheduler, scheduler_worker
+from minisgl.scheduler.scheduler import ABORT_MARK_TTL_S
 from minisgl.utils.device import stream_context
 from minisgl.utils.mp import IpcNamespace, ZmqPullQueue, ZmqPushQueue
 
@@ -47,6 +49,7 @@ class Harness:
         self.data = None
         self.tokens: dict[int, list[int]] = {}
         self.ends: dict[int, list[DetokenizeMsg]] = {}
+        self.log: list[DetokenizeMsg] = []  # every message, in order
 
     def send(self, *msgs: UserMsg | AbortBackendMsg | ExitMsg) -> None:
         self.to_sched.put(BatchBackendMsg(list(msgs)))
@@ -62,6 +65,7 @@ class Harness:
         wait = 0 if busy else 100
         while (batch := self.from_sched.get(timeout_ms=wait)) is not None:
             wait = 0
+            self.log += batch.data
             for m in batch.data:
                 if m.next_token >= 0:
                     self.tokens.setdefault(m.uid, []).append(m.next_token)
@@ -101,8 +105,8 @@ class Harness:
 def harness(model_dir: Callable[[str], Path]) -> Iterator[Callable[..., Harness]]:
     made: list[Harness] = []
 
-    def make(overlap: bool = True, **config: object) -> Harness:
-        made.append(Harness(model_dir("tiny-qwen3"), overlap, **config))
+    def make(overlap: bool = True, arch: str = "tiny-qwen3", **config: object) -> Harness:
+        made.append(Harness(model_dir(arch), overlap, **config))
         return made[-1]
 
     yield make
@@ -115,14 +119,16 @@ def user(uid: int, prompt: list[int], max_tokens: int = 8, **kw: object) -> User
                    SamplingParams(max_tokens=max_tokens, **kw))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("arch,overlap,cache", [
+    ("tiny-qwen3", True, "radix"), ("tiny-qwen3", False, "radix"),
+    ("tiny-qwen2", True, "naive"), ("tiny-mistral", False, "naive")])
 def test_served_tokens_equal_hf_with_finish_reasons(harness: Callable[..., Harness],
                                                      model_dir: Callable[[str], Path],
-                                                     overlap: bool) -> None:
-    h = harness(overlap=overlap)
+                                                     arch: str, overlap: bool, cache: str) -> None:
+    h = harness(overlap=overlap, arch=arch, cache_type=cache)
     h.send(*[user(i, p) for i, p in enumerate(PROMPTS)])
     h.run_until(set(range(len(PROMPTS))))
-    path = model_dir("tiny-qwen3")
+    path = model_dir(arch)
     for i, p in enumerate(PROMPTS):
         assert h.tokens[i] == hf_greedy(path, p, 8)[0]
         [end] = h.ends[i]  # exactly one last message
@@ -187,6 +193,43 @@ def test_abort_frees_everything_wherever_it_finds_the_request(
     assert 0 not in h.tokens and 3 not in h.tokens and 7 not in h.tokens
     assert len(h.tokens[2]) == 30 and 0 < len(h.tokens[1]) < 30
     h.check_all_returned()
+
+
+def test_an_abort_while_the_eos_batch_is_in_flight(harness: Callable[..., Harness],
+                                                   model_dir: Callable[[str], Path]) -> None:
+    """With overlap, the batch that will sample a request's EOS is already running when the
+    abort comes: the request must still end once, with nothing after its last message."""
+    h = harness(overlap=True)
+    first, second = hf_greedy(model_dir("tiny-qwen3"), PROMPTS[0], 2)[0]
+    h.sched.eos_token_id = second
+    h.send(user(0, PROMPTS[0]))
+    while 0 not in h.tokens:  # its first token is out: the batch sampling the EOS is in flight
+        h.step()
+    assert h.tokens[0] == [first] and h.data is not None
+    h.send(AbortBackendMsg(0))
+    h.run_until({0})
+    for _ in range(3):
+        h.step()
+    [end] = h.ends[0]
+    assert end.finish_reason == "abort" and h.log[-1] is end  # nothing after the last message
+    h.check_all_returned()
+
+
+def test_a_late_abort_leaves_no_mark_for_ever(harness: Callable[..., Harness],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An abort for a request that finished steps ago looks like one that overtook its
+    request; its mark must not stay for ever (a disconnect just after the end sends one)."""
+    h = harness()
+    h.send(user(0, PROMPTS[1], max_tokens=2))
+    h.run_until({0})
+    h.send(user(1, PROMPTS[0], max_tokens=2))  # later batches: 0 is out of finished_reqs
+    h.run_until({1})
+    h.sched.abort_req(0)
+    assert 0 in h.sched.aborted  # it cannot tell "finished long ago" from "not here yet"
+    clock = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: clock + ABORT_MARK_TTL_S)
+    h.sched.abort_req(99)  # any later abort sweeps the expired marks
+    assert 0 not in h.sched.aborted and 99 in h.sched.aborted
 
 
 def test_offline_llm_and_server_share_one_loop() -> None:

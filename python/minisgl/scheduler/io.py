@@ -50,8 +50,7 @@ class ServerScheduler(Scheduler):
                 raise SchedulerExit
             if isinstance(m, AbortBackendMsg):
                 self.abort_req(m.uid)
-            elif m.uid in self.aborted:  # its abort overtook it
-                self.aborted.discard(m.uid)
+            elif self.aborted.pop(m.uid, None) is not None:  # its abort overtook it
                 self.send_result([TokenReply(m.uid, -1, True, "abort")])
             elif (error := self._check(m)) is not None:
                 errors.append(DetokenizeMsg(m.uid, -1, True, "error", error))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import NamedTuple, NoReturn
 
 import torch
@@ -31,6 +32,7 @@ from .table import TableManager
 from .utils import PendingReq, SchedulerStats, TokenReply
 
 logger = logging.getLogger(__name__)
+ABORT_MARK_TTL_S = 60.0  # an abort mark nothing claims is dropped after this (chapter 14)
 Indices2D = tuple[torch.Tensor, torch.Tensor]  # (rows, columns) of the page table / token pool
 
 
@@ -71,7 +73,7 @@ class Scheduler:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.overlap = os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0") != "1"
         self.finished_reqs: set[Req] = set()  # finished while the next batch was in flight
-        self.aborted: set[int] = set()  # uids to stop at their next token (chapter 14)
+        self.aborted: dict[int, float] = {}  # uid -> when; stopped at its next token (ch. 14)
         self.stats = SchedulerStats()
 
     # -- the I/O a subclass provides: the offline LLM here, the server's process in chapter 14
@@ -95,10 +97,11 @@ class Scheduler:
 
     def abort_req(self, uid: int) -> None:
         """Stop a request wherever it is. Waiting: it leaves the queue at once, with the row
-        and pages of any prompt chunks already computed. Running: it is marked, and its next
-        token finishes it on the usual path, after the batch in flight no longer needs its row
-        and pages. Finished, or unknown: nothing to do. A mark for a uid not seen yet stays,
-        in case the abort overtook its request (chapter 15's API server)."""
+        and pages of any prompt chunks already computed. Finished in the batch just processed:
+        nothing to do. Otherwise it is marked. A running request's next token finishes it on
+        the usual path, once the batch in flight no longer needs its row and pages; a request
+        not here yet (its abort overtook it) is answered when it comes. A mark nothing claims
+        within ABORT_MARK_TTL_S (its request had finished earlier) is dropped."""
         for i, pending in enumerate(self.prefill_manager.pending):
             if pending.uid == uid:
                 del self.prefill_manager.pending[i]
@@ -106,8 +109,10 @@ class Scheduler:
                     self._release(pending.chunked_req)
                 self.send_result([TokenReply(uid, -1, True, "abort")])
                 return
+        now = time.monotonic()
+        self.aborted = {u: t for u, t in self.aborted.items() if now - t < ABORT_MARK_TTL_S}
         if not any(r.uid == uid for r in self.finished_reqs):
-            self.aborted.add(uid)
+            self.aborted[uid] = now
 
     def _release(self, req: Req) -> None:
         """A finished request gives back its table row; its K/V go to the prefix cache."""
@@ -237,9 +242,8 @@ class Scheduler:
             # counted on the host: with overlap, device_len already includes the batch in flight
             value = int(token)
             reason = _finish_reason(req, value, self.eos_token_id)
-            if req.uid in self.aborted:  # its token is dropped; its row and pages come back
-                self.aborted.discard(req.uid)
-                reason, value = "abort", -1
+            if self.aborted.pop(req.uid, None) is not None:  # its token is dropped, and
+                reason, value = "abort", -1  # its row and pages come back
             replies.append(TokenReply(req.uid, value, reason is not None, reason))
             if reason is not None:
                 newly_finished.add(req)

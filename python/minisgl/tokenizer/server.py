@@ -36,11 +36,14 @@ class TokenizerServer:
     (a worker, when --num-tokenizer N > 0), new requests' setup goes to the detokenizer
     process instead of this one's DetokenizeManager."""
 
-    def __init__(self, model_path: str, forward_setups: bool) -> None:
+    def __init__(self, model_path: str, forward_setups: bool,
+                 setups_from_workers: bool = False) -> None:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tokenize, self.detokenize = TokenizeManager(tokenizer), DetokenizeManager(tokenizer)
         self.forward_setups = forward_setups
-        self.early: dict[int, list[DetokenizeMsg]] = defaultdict(list)  # tokens before setup
+        # tokens that came before their setup; only a detokenizer fed by workers waits for one
+        self.setups_from_workers = setups_from_workers
+        self.early: dict[int, list[DetokenizeMsg]] = defaultdict(list)
 
     def handle(self, msgs: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg]
                ) -> tuple[list[UserMsg | AbortBackendMsg], list[UserReply],
@@ -53,8 +56,10 @@ class TokenizerServer:
             if isinstance(msg, TokenizeMsg):
                 try:
                     ids = self.tokenize.tokenize(msg)
-                except ValueError as e:  # answered here; the scheduler never sees it
-                    replies.append(UserReply(msg.uid, "", True, "error", error=str(e)))
+                except Exception as e:  # a bad prompt or a chat the template rejects: answered
+                    # here, the scheduler never sees it, and the process goes on serving
+                    error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                    replies.append(UserReply(msg.uid, "", True, "error", error=error))
                     continue
                 setups.append(DetokenizeSetupMsg(msg.uid, len(ids), msg.stop))
                 to_scheduler.append(UserMsg(msg.uid, ids, msg.sampling_params))
@@ -74,15 +79,20 @@ class TokenizerServer:
                 reply, abort = self.detokenize.detokenize(token)
                 replies += [reply] if reply is not None else []
                 to_scheduler += [AbortBackendMsg(uid)] if abort else []
+        if not self.setups_from_workers:  # every setup was made here: the rest are strays for
+            self.early.clear()            # requests already answered, and nothing will claim them
         return to_scheduler, replies, setups
 
 
 def tokenizer_worker(model_path: str, inbox: str, bind_inbox: bool, backend: str, frontend: str,
-                     detokenizer: str | None = None, ready: Connection | None = None) -> None:
+                     detokenizer: str | None = None, ready: Connection | None = None,
+                     has_workers: bool = False) -> None:
     """The process's main: serve until SIGTERM. `detokenizer` is the detokenizer's address
-    for a worker, None for the process that detokenizes (the only one by default)."""
+    for a worker, None for the process that detokenizes (the only one by default);
+    `has_workers` tells that process that setups come from workers."""
     signal.signal(signal.SIGTERM, _exit)
-    server = TokenizerServer(model_path, forward_setups=detokenizer is not None)
+    server = TokenizerServer(model_path, forward_setups=detokenizer is not None,
+                             setups_from_workers=has_workers)
     with ExitStack() as sockets:  # closed however the loop ends
         pull = sockets.enter_context(ZmqPullQueue(inbox, bind=bind_inbox, expected=TokenizerMsg))
         to_backend = sockets.enter_context(ZmqPushQueue[BatchBackendMsg](backend, bind=False))

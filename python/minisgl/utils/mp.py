@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -14,6 +15,7 @@ import zmq.asyncio
 
 from minisgl.message import MessageError, decode, encode
 
+WAKE_MS = 100  # a receiver waiting "forever" wakes this often (see _Receiver.wait)
 T = TypeVar("T")
 Q = TypeVar("Q", bound="_Queue")
 logger = logging.getLogger(__name__)
@@ -63,6 +65,19 @@ class _Receiver(_Queue, Generic[T]):
         super().__init__(ctx, kind, addr, bind)
         self.expected, self.refused = expected, 0
 
+    def wait(self, timeout_ms: int | None) -> bool:
+        """Whether a frame is ready within timeout_ms (None: however long it takes). Polls in
+        slices of WAKE_MS: Python runs a signal handler only when the main thread runs Python,
+        and a SIGTERM the kernel hands to another thread (torch's, the tokenizers') would not
+        end a poll that never returns."""
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while True:
+            left = WAKE_MS if deadline is None else (deadline - time.monotonic()) * 1000
+            if self.socket.poll(max(0, min(WAKE_MS, int(left)))) != 0:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
     def _accept(self, frame: bytes) -> T | None:
         """The message in a frame, or None (logged and counted) for a malformed one: one bad
         sender must not stop a receiver that serves every request."""
@@ -88,7 +103,7 @@ class ZmqPullQueue(_Receiver[T]):
 
     def get(self, timeout_ms: int | None = None) -> T | None:
         """The next well-formed message; None if none came within timeout_ms (None: wait)."""
-        while self.socket.poll(timeout_ms) != 0:
+        while self.wait(timeout_ms):
             msg = self._accept(self.socket.recv())
             if msg is not None:
                 return msg
@@ -96,7 +111,7 @@ class ZmqPullQueue(_Receiver[T]):
 
     def get_raw(self, timeout_ms: int | None = None) -> bytes | None:
         """The next frame, undecoded (rank 0 forwards it to the other ranks as it is)."""
-        return self.socket.recv() if self.socket.poll(timeout_ms) != 0 else None
+        return self.socket.recv() if self.wait(timeout_ms) else None
 
     def empty(self) -> bool:
         return self.socket.poll(0) == 0
@@ -121,9 +136,10 @@ class ZmqSubQueue(_Receiver[T]):
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")  # every message
 
     def get(self) -> T:
-        while (msg := self._accept(self.socket.recv())) is None:
-            pass
-        return msg
+        while True:
+            self.wait(None)
+            if (msg := self._accept(self.socket.recv())) is not None:
+                return msg
 
 
 class ZmqAsyncPushQueue(_Queue, Generic[T]):
