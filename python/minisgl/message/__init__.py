@@ -1,8 +1,8 @@
 """The messages between the server's processes and their encoding (chapter 12)."""
 
-from .backend import AbortBackendMsg, BackendMsg, BatchBackendMsg, ExitMsg, UserMsg
+from .backend import AbortBackendMsg, BackendMsg, BatchBackendMsg, ExitMsg, StatsMsg, UserMsg
 from .codec import MessageError, decode, encode, message
-from .frontend import BatchFrontendMsg, FrontendMsg, UserReply
+from .frontend import BatchFrontendMsg, FrontendMsg, StatsReply, UserReply
 from .tokenizer import (
     AbortMsg,
     BatchTokenizerMsg,
@@ -15,6 +15,6 @@ from .tokenizer import (
 __all__ = [
     "AbortBackendMsg", "AbortMsg", "BackendMsg", "BatchBackendMsg", "BatchFrontendMsg",
     "BatchTokenizerMsg", "DetokenizeMsg", "DetokenizeSetupMsg", "ExitMsg", "FrontendMsg",
-    "MessageError", "TokenizeMsg", "TokenizerMsg", "UserMsg", "UserReply", "decode", "encode",
-    "message",
+    "MessageError", "StatsMsg", "StatsReply", "TokenizeMsg", "TokenizerMsg", "UserMsg",
+    "UserReply", "decode", "encode", "message",
 ]

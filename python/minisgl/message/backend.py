@@ -33,6 +33,15 @@ class AbortBackendMsg:
 
 @message
 @dataclass
+class StatsMsg:
+    """Ask the scheduler how it stands (chapter 15): it answers with a StatsReply of this uid,
+    which the tokenizer passes on to the API server."""
+
+    uid: int
+
+
+@message
+@dataclass
 class ExitMsg:
     """Leave the loop and shut down."""
 
@@ -40,7 +49,7 @@ class ExitMsg:
 @message
 @dataclass
 class BatchBackendMsg:
-    data: list[UserMsg | AbortBackendMsg | ExitMsg]
+    data: list[UserMsg | AbortBackendMsg | StatsMsg | ExitMsg]
 
 
-BackendMsg = UserMsg | AbortBackendMsg | ExitMsg | BatchBackendMsg
+BackendMsg = UserMsg | AbortBackendMsg | StatsMsg | ExitMsg | BatchBackendMsg

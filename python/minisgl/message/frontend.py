@@ -11,8 +11,8 @@ from .codec import message
 @dataclass
 class UserReply:
     """New text of a request since the last reply. The last reply has `finished` set, a
-    `finish_reason` ("stop", "length" or "error", with `error` then saying why) and the token
-    counts that the response's `usage` reports."""
+    `finish_reason` ("stop", "length", "abort" from chapter 14 on, or "error", with `error`
+    then saying why) and the token counts that the response's `usage` reports."""
 
     uid: int
     incremental_output: str
@@ -25,8 +25,26 @@ class UserReply:
 
 @message
 @dataclass
+class StatsReply:
+    """The scheduler's answer to a StatsMsg (chapter 15). `idle`: nothing waiting, running or in
+    flight; then `integrity` says whether every table row and KV page is back ("ok", or the
+    error the scheduler's own check raised)."""
+
+    uid: int
+    idle: bool
+    waiting: int
+    running: int
+    free_rows: int
+    total_rows: int
+    free_pages: int
+    total_pages: int
+    integrity: str | None = None
+
+
+@message
+@dataclass
 class BatchFrontendMsg:
-    data: list[UserReply]
+    data: list[UserReply | StatsReply]
 
 
-FrontendMsg = UserReply | BatchFrontendMsg
+FrontendMsg = UserReply | StatsReply | BatchFrontendMsg

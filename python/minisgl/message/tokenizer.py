@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from minisgl.core import SamplingParams
 
+from .backend import StatsMsg
 from .codec import message
+from .frontend import StatsReply
 
 
 @message
@@ -26,8 +28,8 @@ class TokenizeMsg:
 @dataclass
 class DetokenizeMsg:
     """One sampled token of a request, from the scheduler. `finish_reason` is set on the last
-    one: "stop" (EOS), "length" (max_tokens or the context is full), or "error" with `error`
-    saying why the request could not run (then `next_token` is -1)."""
+    one: "stop" (EOS), "length" (max_tokens or the context is full), "abort" (chapter 14), or
+    "error" with `error` saying why the request could not run (then `next_token` is -1)."""
 
     uid: int
     next_token: int
@@ -60,7 +62,10 @@ class AbortMsg:
 class BatchTokenizerMsg:
     """Several messages in one frame: one send and one wake-up for a whole step's tokens."""
 
-    data: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg]
+    data: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg | StatsMsg
+               | StatsReply]
 
 
-TokenizerMsg = TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg | BatchTokenizerMsg
+# StatsMsg and StatsReply pass through the tokenizer: API server -> scheduler -> API server
+TokenizerMsg = (TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg | StatsMsg
+                | StatsReply | BatchTokenizerMsg)

@@ -13,6 +13,8 @@ from minisgl.message import (
     BatchTokenizerMsg,
     DetokenizeMsg,
     ExitMsg,
+    StatsMsg,
+    StatsReply,
     UserMsg,
 )
 from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
@@ -40,25 +42,46 @@ class ServerScheduler(Scheduler):
 
     def receive_reqs(self, blocking: bool) -> list[PendingReq]:
         """Whatever has arrived; waits only when there is nothing to run."""
-        msgs: list[UserMsg | AbortBackendMsg | ExitMsg] = []
+        msgs: list[UserMsg | AbortBackendMsg | StatsMsg | ExitMsg] = []
         while (msg := self.inbox.get(timeout_ms=None if blocking and not msgs else 0)):
             msgs += msg.data if isinstance(msg, BatchBackendMsg) else [msg]
         reqs: list[PendingReq] = []
-        errors: list[DetokenizeMsg] = []
+        answers: list[DetokenizeMsg | StatsReply] = []  # sent at once, in one frame
         for m in msgs:
             if isinstance(m, ExitMsg):
                 raise SchedulerExit
             if isinstance(m, AbortBackendMsg):
                 self.abort_req(m.uid)
+            elif isinstance(m, StatsMsg):  # blocking: nothing to run and nothing in flight
+                answers.append(self._stats(m.uid, idle=blocking))
             elif self.aborted.pop(m.uid, None) is not None:  # its abort overtook it
                 self.send_result([TokenReply(m.uid, -1, True, "abort")])
             elif (error := self._check(m)) is not None:
-                errors.append(DetokenizeMsg(m.uid, -1, True, "error", error))
+                answers.append(DetokenizeMsg(m.uid, -1, True, "error", error))
             else:
                 reqs.append(PendingReq(m.uid, m.input_ids, m.sampling_params))
-        if errors:  # one frame for all of them
-            self.outbox.put(BatchTokenizerMsg(errors))
+        if answers:
+            self.outbox.put(BatchTokenizerMsg(answers))
         return reqs
+
+    def _stats(self, uid: int, idle: bool) -> StatsReply:
+        """How the scheduler stands (chapter 15); when idle, with its own integrity check, so
+        a test can see every row and page come back after clients went away."""
+        integrity = None
+        if idle:
+            try:
+                self.cache_manager.check_integrity()
+                if self.table_manager.available_size != self.config.max_running_req:
+                    raise RuntimeError(f"{self.table_manager.available_size} of "
+                                       f"{self.config.max_running_req} table rows are free")
+                integrity = "ok"
+            except RuntimeError as e:
+                integrity = str(e)
+        cache = self.cache_manager
+        return StatsReply(uid, idle, len(self.prefill_manager.pending),
+                          len(self.decode_manager.running), self.table_manager.available_size,
+                          self.config.max_running_req, len(cache.free_slots), cache.num_pages,
+                          integrity)
 
     def _check(self, msg: UserMsg) -> str | None:
         """Why a request can never run here, or None. Answered at once: a request is never

@@ -18,6 +18,8 @@ from minisgl.message import (
     BatchTokenizerMsg,
     DetokenizeMsg,
     DetokenizeSetupMsg,
+    StatsMsg,
+    StatsReply,
     TokenizeMsg,
     TokenizerMsg,
     UserMsg,
@@ -45,12 +47,13 @@ class TokenizerServer:
         self.setups_from_workers = setups_from_workers
         self.early: dict[int, list[DetokenizeMsg]] = defaultdict(list)
 
-    def handle(self, msgs: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg]
-               ) -> tuple[list[UserMsg | AbortBackendMsg], list[UserReply],
-                          list[DetokenizeSetupMsg]]:
+    def handle(self, msgs: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg
+                                | StatsMsg | StatsReply]
+               ) -> tuple[list[UserMsg | AbortBackendMsg | StatsMsg],
+                          list[UserReply | StatsReply], list[DetokenizeSetupMsg]]:
         """Messages for the scheduler, replies for the API server, setups to forward."""
-        to_scheduler: list[UserMsg | AbortBackendMsg] = []
-        replies: list[UserReply] = []
+        to_scheduler: list[UserMsg | AbortBackendMsg | StatsMsg] = []
+        replies: list[UserReply | StatsReply] = []
         setups: list[DetokenizeSetupMsg] = []
         for msg in msgs:
             if isinstance(msg, TokenizeMsg):
@@ -67,6 +70,10 @@ class TokenizerServer:
                 to_scheduler.append(AbortBackendMsg(msg.uid))
             elif isinstance(msg, DetokenizeSetupMsg):
                 setups.append(msg)
+            elif isinstance(msg, StatsMsg):  # passed through, both ways (chapter 15)
+                to_scheduler.append(msg)
+            elif isinstance(msg, StatsReply):
+                replies.append(msg)
             else:
                 self.early[msg.uid].append(msg)
         if not self.forward_setups:
@@ -115,7 +122,7 @@ def tokenizer_worker(model_path: str, inbox: str, bind_inbox: bool, backend: str
 
 
 def _unbatch(msg: TokenizerMsg | None) -> list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg
-                                               | AbortMsg]:
+                                               | AbortMsg | StatsMsg | StatsReply]:
     if msg is None:
         return []
     return list(msg.data) if isinstance(msg, BatchTokenizerMsg) else [msg]

@@ -1,0 +1,235 @@
+"""The HTTP front: OpenAI's chat and completion endpoints, /generate, /v1/models, /health
+(chapter 15)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from minisgl.message import StatsReply, UserReply
+
+from .frontend import FrontendManager
+from .protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
+    parse,
+    usage,
+)
+from .protocol import Response as Shape
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+def create_app(model_name: str, max_seq_len: int,
+               manager: Callable[[], FrontendManager]) -> FastAPI:
+    """The app. `manager()` gives the FrontendManager, made once the event loop runs."""
+    app = FastAPI(title="minisgl", docs_url=None, redoc_url=None)
+    started = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind=kind).body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception) -> JSONResponse:  # never meant to happen
+        err = APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    def ready() -> FrontendManager:
+        m = manager()
+        if m.state != "ready":
+            raise APIError(503, f"the server is {m.state}; retry later",
+                           kind="service_unavailable")
+        return m
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        m = manager()
+        return JSONResponse({"status": m.state, "processes": m.processes},
+                            status_code=200 if m.state == "ready" else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": started, "owned_by": "minisgl",
+                                            "max_model_len": max_seq_len}]}
+
+    @app.get("/debug/scheduler")
+    async def scheduler_stats(request: Request) -> dict[str, Any]:
+        """The scheduler's own count of its rows and pages, and when idle its integrity
+        check: how the tests see that every client that went away gave its memory back."""
+        reply = await ready().stats()
+        if not isinstance(reply, StatsReply):
+            raise APIError(503, manager().state, kind="service_unavailable")
+        return dataclasses.asdict(reply)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req: ChatRequest = parse(ChatRequest, await request.body())
+        req.refuse_unsupported()
+        params, stop = req.sampling(req.max_completion_tokens or req.max_tokens, max_seq_len)
+        prompt = [m.as_template_input() for m in req.messages]
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _answer(request, ready(), Shape(True, model_name), prompt, params, stop,
+                             req.stream, include_usage)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = parse(CompletionRequest, await request.body())
+        req.refuse_unsupported()
+        params, stop = req.sampling(req.max_tokens, max_seq_len)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _answer(request, ready(), Shape(False, model_name), req.single_prompt(),
+                             params, stop, req.stream, include_usage)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        req: GenerateRequest = parse(GenerateRequest, await request.body())
+        req.refuse_unsupported()
+        params, stop = req.sampling(req.max_tokens, max_seq_len)
+        return await _answer(request, ready(), None, req.single_prompt(), params, stop,
+                             req.stream, True)
+
+    return app
+
+
+async def _answer(request: Request, m: FrontendManager, shape: Shape | None,
+                  prompt: str | list[dict[str, str]] | list[int], params: Any, stop: list[str],
+                  stream: bool, include_usage: bool) -> Response:
+    """Submit, wait for the first reply (so that an error can still be a 4xx), then answer
+    whole or as server-sent events. A client that goes away aborts the request."""
+    uid = await m.submit(prompt, params, stop)
+    replies = m.replies(uid)
+    try:
+        first = await _unless_gone(request, replies.__anext__())
+    except ClientGone:
+        await replies.aclose()
+        return Response(status_code=499)  # nobody reads it; the request is aborted
+    if first.finish_reason == "error":
+        await replies.aclose()
+        raise _error_of(first, m)
+    if not stream:
+        async with aclosing(replies):
+            try:
+                last, text = await _unless_gone(request, _collect(first, replies))
+            except ClientGone:
+                return Response(status_code=499)
+        if last.finish_reason == "error":
+            raise _error_of(last, m)
+        u = usage(last.prompt_tokens, last.completion_tokens)
+        if shape is None:
+            return JSONResponse({"text": text, "finish_reason": last.finish_reason, "usage": u})
+        return JSONResponse(shape.full(text, _openai_reason(last), u))
+    events = (_generate_events(first, replies) if shape is None
+              else _openai_events(shape, first, replies, include_usage))
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """work's result, or ClientGone (work cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(first: UserReply, replies: AsyncIterator[UserReply]) -> tuple[UserReply, str]:
+    text, last = [first.incremental_output], first
+    if not first.finished:
+        async for reply in replies:
+            text.append(reply.incremental_output)
+            last = reply
+    return last, "".join(text)
+
+
+def _error_of(reply: UserReply, m: FrontendManager) -> APIError:
+    if m.state.startswith("failed"):
+        return APIError(503, reply.error or m.state, kind="service_unavailable")
+    return APIError(400, reply.error or "the request failed")
+
+
+def _openai_reason(reply: UserReply) -> str:
+    return "length" if reply.finish_reason == "length" else "stop"
+
+
+def _sse(obj: object) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+async def _stream(first: UserReply, replies: AsyncIterator[UserReply]
+                  ) -> AsyncIterator[UserReply]:
+    yield first
+    if not first.finished:
+        async for reply in replies:
+            yield reply
+
+
+async def _openai_events(shape: Shape, first: UserReply, replies: AsyncIterator[UserReply],
+                         include_usage: bool) -> AsyncIterator[bytes]:
+    """role first, then the text as it comes, one chunk with the finish reason, with
+    include_usage a last chunk with no choices and the usage, then [DONE]."""
+    async with aclosing(replies):
+        if shape.chat:
+            yield _sse(shape.chunk(None, role=True, with_usage=include_usage))
+        async for reply in _stream(first, replies):
+            if reply.finish_reason == "error":  # a process died mid-stream
+                yield _sse(APIError(503, reply.error or "", kind="service_unavailable").body())
+                break
+            if reply.incremental_output:
+                yield _sse(shape.chunk(reply.incremental_output, with_usage=include_usage))
+            if reply.finished:
+                yield _sse(shape.chunk(None, _openai_reason(reply), with_usage=include_usage))
+                if include_usage:
+                    yield _sse(shape.chunk(None, usage=usage(reply.prompt_tokens,
+                                                             reply.completion_tokens)))
+        yield b"data: [DONE]\n\n"
+
+
+async def _generate_events(first: UserReply, replies: AsyncIterator[UserReply]
+                           ) -> AsyncIterator[bytes]:
+    """/generate's events: {"text"} as it comes; the last adds finish_reason and usage."""
+    async with aclosing(replies):
+        async for reply in _stream(first, replies):
+            event: dict[str, Any] = {"text": reply.incremental_output}
+            if reply.finished:
+                event["finish_reason"] = reply.finish_reason
+                event["usage"] = usage(reply.prompt_tokens, reply.completion_tokens)
+                if reply.error:
+                    event["error"] = reply.error
+            yield _sse(event)
+        yield b"data: [DONE]\n\n"

@@ -1,0 +1,115 @@
+"""FrontendManager: the API server's end of the sockets. A uid per request, a reply list and an
+event per uid, one listener task that files every reply under its uid (chapter 15)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from minisgl.core import SamplingParams
+from minisgl.message import (
+    AbortMsg,
+    BatchFrontendMsg,
+    FrontendMsg,
+    StatsMsg,
+    StatsReply,
+    TokenizeMsg,
+    TokenizerMsg,
+    UserReply,
+)
+from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqAsyncPushQueue
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Inbox:
+    """Replies that came for one uid and were not read yet; `event` wakes their reader."""
+
+    replies: list[UserReply | StatsReply] = field(default_factory=list)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FrontendManager:
+    """Made inside the server's event loop. `state` is what /health reports: "starting" until
+    every process is ready, then "ready"; "stopping" or "failed: ..." at the end."""
+
+    def __init__(self, to_tokenizer: str, bind_to_tokenizer: bool, from_tokenizer: str) -> None:
+        self.to_tokenizer = ZmqAsyncPushQueue[TokenizerMsg](to_tokenizer, bind_to_tokenizer)
+        self.from_tokenizer = ZmqAsyncPullQueue(from_tokenizer, bind=True, expected=FrontendMsg)
+        self.uids = itertools.count()
+        self.inboxes: dict[int, _Inbox] = {}
+        self.state = "starting"
+        self.processes: dict[str, int] = {}  # name -> pid, shown by /health
+        self.sending: set[asyncio.Task[None]] = set()  # aborts on their way (kept referenced)
+        self.listener = asyncio.get_running_loop().create_task(self._listen())
+
+    async def _listen(self) -> None:
+        while True:
+            msg = await self.from_tokenizer.get()
+            for reply in msg.data if isinstance(msg, BatchFrontendMsg) else [msg]:
+                inbox = self.inboxes.get(reply.uid)
+                if inbox is None:  # its client went away, and the request was aborted
+                    continue
+                inbox.replies.append(reply)
+                inbox.event.set()
+
+    async def submit(self, prompt: str | list[dict[str, str]] | list[int],
+                     params: SamplingParams, stop: list[str]) -> int:
+        uid = next(self.uids)
+        self.inboxes[uid] = _Inbox()
+        await self.to_tokenizer.put(TokenizeMsg(uid, prompt, params, stop))
+        return uid
+
+    async def replies(self, uid: int) -> AsyncIterator[UserReply]:
+        """The request's replies in order, up to the finished one. Leaving early (the client
+        went away: the reader is cancelled or closes this generator) aborts the request."""
+        inbox, finished = self.inboxes[uid], False
+        try:
+            while not finished:
+                await inbox.event.wait()
+                inbox.event.clear()  # nothing runs in between: no reply can be missed
+                batch, inbox.replies = inbox.replies, []
+                for reply in batch:
+                    assert isinstance(reply, UserReply)
+                    finished = reply.finished
+                    yield reply
+        finally:
+            del self.inboxes[uid]
+            if not finished:
+                self.abort(uid)
+
+    def abort(self, uid: int) -> None:
+        """Tell the scheduler to free the request. Not a coroutine: it is called while the
+        request's task is being cancelled, when awaiting is no longer possible."""
+        task = asyncio.get_running_loop().create_task(self.to_tokenizer.put(AbortMsg(uid)))
+        self.sending.add(task)
+        task.add_done_callback(self.sending.discard)
+
+    async def stats(self, timeout_s: float = 10.0) -> StatsReply:
+        """The scheduler's own account of its rows and pages (a debug endpoint shows it)."""
+        uid = next(self.uids)
+        inbox = self.inboxes[uid] = _Inbox()
+        try:
+            await self.to_tokenizer.put(StatsMsg(uid))
+            await asyncio.wait_for(inbox.event.wait(), timeout_s)
+            reply = inbox.replies[0]
+            assert isinstance(reply, StatsReply)
+            return reply
+        finally:
+            del self.inboxes[uid]
+
+    def fail(self, error: str) -> None:
+        """A process died: every request waiting gets an error, and no new one is taken."""
+        self.state = f"failed: {error}"
+        for uid, inbox in self.inboxes.items():
+            inbox.replies.append(UserReply(uid, "", True, "error", error=error))
+            inbox.event.set()
+
+    def close(self) -> None:
+        self.listener.cancel()
+        self.to_tokenizer.close()
+        self.from_tokenizer.close()
