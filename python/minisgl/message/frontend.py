@@ -28,10 +28,11 @@ class UserReply:
 class StatsReply:
     """The scheduler's answer to a StatsMsg (chapter 15). `idle`: nothing waiting, running or in
     flight; then `integrity` says whether every table row and KV page is back ("ok", or the
-    error the scheduler's own check raised)."""
+    error the scheduler's own check raised). `aborted`: requests ended by an abort so far."""
 
     uid: int
     idle: bool
+    aborted: int
     waiting: int
     running: int
     free_rows: int

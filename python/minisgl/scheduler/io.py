@@ -39,6 +39,7 @@ class ServerScheduler(Scheduler):
         self.vocab_size = config.model_config.vocab_size
         self.inbox = ZmqPullQueue(inbox, bind=True, expected=BackendMsg)
         self.outbox = ZmqPushQueue[BatchTokenizerMsg](outbox, bind=False)
+        self.aborted_reqs = 0  # requests ended by an abort (chapter 15's stats)
 
     def receive_reqs(self, blocking: bool) -> list[PendingReq]:
         """Whatever has arrived; waits only when there is nothing to run."""
@@ -78,7 +79,7 @@ class ServerScheduler(Scheduler):
             except RuntimeError as e:
                 integrity = str(e)
         cache = self.cache_manager
-        return StatsReply(uid, idle, len(self.prefill_manager.pending),
+        return StatsReply(uid, idle, self.aborted_reqs, len(self.prefill_manager.pending),
                           len(self.decode_manager.running), self.table_manager.available_size,
                           self.config.max_running_req, len(cache.free_slots), cache.num_pages,
                           integrity)
@@ -97,6 +98,7 @@ class ServerScheduler(Scheduler):
         return None
 
     def send_result(self, replies: list[TokenReply]) -> None:
+        self.aborted_reqs += sum(r.finish_reason == "abort" for r in replies)
         if replies:
             self.outbox.put(BatchTokenizerMsg([DetokenizeMsg(*r) for r in replies]))
 

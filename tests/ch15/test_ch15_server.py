@@ -1,0 +1,368 @@
+"""Chapter 15: the server, for real: `python -m minisgl` in a subprocess, HTTP over loopback,
+the official openai client with strict response validation, bad input, 64 concurrent streams,
+clients that go away, a killed scheduler, SIGTERM, the shell."""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import psutil
+import pytest
+from transformers import AutoTokenizer
+
+MAX_SEQ_LEN = 512  # the servers' context: long enough to be aborted mid-way, short to test
+CHAT = [{"role": "user", "content": "Count: one two three"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m minisgl` in a subprocess, its ipc folder and log under `tmp`."""
+
+    def __init__(self, model: Path, tmp: Path, *flags: str) -> None:
+        self.tmp, self.port = tmp, _free_port()
+        package_root = Path(importlib.util.find_spec("minisgl").origin).parent.parent
+        env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join(
+            [str(package_root), os.environ.get("PYTHONPATH", "")]))
+        self.log = tmp / "server.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "minisgl", "--model", str(model), "--port", str(self.port),
+                 "--max-seq-len-override", str(MAX_SEQ_LEN), "--num-pages", "8192", *flags],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.health: dict[str, Any] = {}
+
+    def request(self, method: str, path: str, body: bytes | dict | None = None,
+                timeout: float = 30) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = json.dumps(body).encode() if isinstance(body, dict) else body
+            conn.request(method, path, body=data)
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
+
+    def wait_ready(self, timeout_s: float = 180) -> list[int]:
+        """Polls /health until 200; returns the statuses seen on the way."""
+        seen, deadline = [], time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                status, body = self.request("GET", "/health", timeout=5)
+                seen.append(status)
+                if status == 200:
+                    self.health = json.loads(body)
+                    return seen
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+
+    def client(self, **kw: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
+                             _strict_response_validation=True, max_retries=0, **kw)
+
+    def stats(self) -> dict[str, Any]:
+        status, body = self.request("GET", "/debug/scheduler")
+        assert status == 200, body
+        return json.loads(body)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def pids(self) -> list[int]:
+        return list(self.health["processes"].values())
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Callable[[str], Path]) -> Path:
+    return model_dir("tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(model, tmp_path_factory.mktemp("server"))
+    s.wait_ready()
+    yield s
+    s.stop()
+
+
+def sse_events(raw: bytes) -> list[str]:
+    """The data of each server-sent event; every event must end with a blank line."""
+    text = raw.decode()
+    assert text.endswith("\n\n"), text[-200:]
+    events = text[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+def greedy(server: Server, **kw: Any) -> Any:
+    return server.client().chat.completions.create(
+        model="tiny", messages=CHAT, temperature=0, max_tokens=10,
+        extra_body={"ignore_eos": True}, **kw)
+
+
+# --- the contract --------------------------------------------------------------------------------
+
+def test_health_models_and_a_loopback_bind(server: Server, model: Path) -> None:
+    assert sorted(server.health["processes"]) == ["launcher", "scheduler", "tokenizer"]
+    [m] = server.client().models.list().data
+    assert m.id == model.name and m.object == "model"
+    listening = [c for c in psutil.Process(server.proc.pid).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN]
+    assert [c.laddr.ip for c in listening] == ["127.0.0.1"]  # no --host: this machine only
+
+
+def test_chat_whole_and_streamed(server: Server, model: Path) -> None:
+    whole = greedy(server)
+    [choice] = whole.choices
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    prompt = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        CHAT, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert whole.usage.prompt_tokens == len(prompt) and whole.usage.completion_tokens == 10
+    assert whole.usage.total_tokens == len(prompt) + 10
+
+    chunks = list(greedy(server, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "length" and reasons.count("length") == 1 and set(reasons) == {
+        None, "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+
+
+def test_finish_reason_is_length_exactly_at_max_tokens(server: Server) -> None:
+    full = greedy(server).choices[0].message.content
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    cut = greedy(server, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == full[:full.index(stop)]
+    room = server.client().completions.create(  # more than the context has room for: clipped
+        model="tiny", prompt=[5, 6, 7], max_tokens=10 * MAX_SEQ_LEN, temperature=0,
+        extra_body={"ignore_eos": True})
+    assert room.choices[0].finish_reason == "length"
+    assert room.usage.prompt_tokens + room.usage.completion_tokens == MAX_SEQ_LEN
+
+
+def test_completions_and_generate_over_raw_http(server: Server) -> None:
+    body = {"prompt": [5, 80, 200, 31], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    status, raw = server.request("POST", "/v1/completions", body)
+    whole = json.loads(raw)
+    assert status == 200 and whole["object"] == "text_completion"
+    assert whole["choices"][0]["finish_reason"] == "length" and whole["usage"]["total_tokens"] == 12
+    status, raw = server.request("POST", "/v1/completions", {**body, "stream": True})
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all({"id", "object", "created", "model"} <= c.keys() for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+
+    status, raw = server.request("POST", "/generate", body)  # greedy unless asked
+    assert status == 200 and json.loads(raw)["text"] == whole["choices"][0]["text"]
+    status, raw = server.request("POST", "/generate", {**body, "stream": True})
+    events = [json.loads(e) for e in sse_events(raw)[:-1]]
+    assert "".join(e["text"] for e in events) == whole["choices"][0]["text"]
+    assert events[-1]["finish_reason"] == "length" and events[-1]["usage"] == whole["usage"]
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+BAD = [  # (what, path, body, expected status, param named in the error)
+    ("not JSON", CHAT_URL, b'{"messages": [', 400, None),
+    ("no messages", CHAT_URL, {"max_tokens": 4}, 400, "messages"),
+    ("messages not a list", CHAT_URL, {"messages": "hi"}, 400, "messages"),
+    ("a role we do not know", CHAT_URL, {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages.0.role"),
+    ("max_tokens as a string", CHAT_URL, {"messages": CHAT, "max_tokens": "5"}, 400,
+     "max_tokens"),
+    ("negative max_tokens", CHAT_URL, {"messages": CHAT, "max_tokens": -3}, 400, "max_tokens"),
+    ("temperature < 0", CHAT_URL, {"messages": CHAT, "temperature": -0.1}, 400, "temperature"),
+    ("top_p = 0", CHAT_URL, {"messages": CHAT, "top_p": 0}, 400, "top_p"),
+    ("top_p > 1", CHAT_URL, {"messages": CHAT, "top_p": 1.5}, 400, "top_p"),
+    ("n = 2", CHAT_URL, {"messages": CHAT, "n": 2}, 400, "n"),
+    ("a chat longer than the context", CHAT_URL,
+     {"messages": [{"role": "user", "content": "a b " * MAX_SEQ_LEN}]}, 400, None),
+    ("a prompt of max_seq_len ids", COMPLETIONS_URL, {"prompt": [5] * MAX_SEQ_LEN}, 400, None),
+    ("a token id out of range", COMPLETIONS_URL, {"prompt": [5, 10**6]}, 400, None),
+    ("an empty prompt", COMPLETIONS_URL, {"prompt": ""}, 400, "prompt"),
+    ("no such endpoint", "/v1/embeddings", {"input": "x"}, 404, None),
+]
+
+
+def test_bad_input_gets_openai_errors_and_the_server_goes_on(server: Server) -> None:
+    before = greedy(server).choices[0].message.content
+    for what, path, body, status, param in BAD:
+        start = time.monotonic()
+        got, raw = server.request("POST", path, body, timeout=10)
+        error = json.loads(raw)["error"]
+        assert got == status, (what, raw)
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], what
+        assert error["param"] == param, (what, error)
+        assert time.monotonic() - start < 5, what  # answered at once, never left hanging
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        server.client().chat.completions.create(model="tiny", messages=CHAT, temperature=-1)
+    assert greedy(server).choices[0].message.content == before
+
+
+# --- load and clients that go away ---------------------------------------------------------------
+
+def test_64_concurrent_streams_each_equal_its_solo_output(server: Server) -> None:
+    chats = [[{"role": "user", "content": f"Question {i}: {'xyz'[i % 3] * (i + 1)}?"}]
+             for i in range(16)]
+    client = server.client()
+
+    def answer(chat: list[dict[str, str]], stream: bool) -> str:
+        # chat, not completions: the SDK's strict Completion type refuses the finish_reason
+        # null that every streamed completion chunk but the last must carry
+        out = client.chat.completions.create(model="tiny", messages=chat, max_tokens=12,
+                                             temperature=0, stream=stream,
+                                             extra_body={"ignore_eos": True})
+        if not stream:
+            return out.choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+
+    solo = [answer(c, False) for c in chats]
+    with ThreadPoolExecutor(64) as pool:
+        together = list(pool.map(lambda i: answer(chats[i % 16], True), range(64)))
+    assert together == [solo[i % 16] for i in range(64)]
+
+
+def _drop_mid_stream(server: Server) -> None:
+    """A client that reads two events of a long stream and closes its socket."""
+    body = json.dumps({"prompt": [9, 8, 7], "max_tokens": 400, "stream": True,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        seen = b""
+        while seen.count(b"data: ") < 2:
+            chunk = s.recv(4096)
+            assert chunk, "the server closed the stream first"
+            seen += chunk
+
+
+def _drop_before_the_answer(server: Server) -> None:
+    body = json.dumps({"prompt": [9, 8, 7], "max_tokens": 400, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                  % (len(body), body))
+        time.sleep(0.3)  # running by now; 400 tokens take far longer
+
+
+def test_clients_that_go_away_give_back_every_row_and_page(server: Server) -> None:
+    before = server.stats()["aborted"]
+    with ThreadPoolExecutor(20) as pool:
+        list(pool.map(lambda i: (_drop_mid_stream if i < 16 else _drop_before_the_answer)(
+            server), range(20)))
+    deadline = time.monotonic() + 30
+    while not (stats := server.stats())["idle"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # the scheduler's own check: every table row free, every page free or in the prefix cache
+    assert stats["idle"] and stats["integrity"] == "ok", stats
+    assert stats["free_rows"] == stats["total_rows"]
+    assert stats["aborted"] - before == 20  # each was stopped, none ran to its 400 tokens
+    assert greedy(server).choices[0].finish_reason == "length"  # and it still serves
+
+
+# --- processes: start, workers, SIGTERM, a dead scheduler, the shell -----------------------------
+
+def _gone(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+              for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_workers_then_sigterm_leaves_nothing(model: Path, tmp_path: Path,
+                                             server: Server) -> None:
+    expected = greedy(server).choices[0].message.content
+    s = Server(model, tmp_path, "--num-tokenizer", "2")
+    try:
+        seen = s.wait_ready()
+        assert seen[0] == 503 and seen[-1] == 200  # answering, but "starting", at first
+        assert sorted(s.health["processes"]) == ["detokenizer", "launcher", "scheduler",
+                                                 "tokenizer-0", "tokenizer-1"]
+        assert greedy(s).choices[0].message.content == expected
+        stream = threading.Thread(target=lambda: s.request(
+            "POST", COMPLETIONS_URL, {"prompt": [1, 2], "max_tokens": 400, "stream": True}))
+        stream.start()  # a request in flight when the signal comes
+        time.sleep(0.5)
+        start = time.monotonic()
+        assert s.stop() == 0
+        assert _gone(s.pids(), 10 - (time.monotonic() - start))
+        stream.join(timeout=10)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]  # no ipc folder left
+
+
+def test_a_dead_scheduler_stops_the_server_with_an_error(model: Path, tmp_path: Path) -> None:
+    s = Server(model, tmp_path)
+    try:
+        s.wait_ready()
+        os.kill(s.health["processes"]["scheduler"], signal.SIGKILL)
+        try:  # until the launcher notices: 503, or a closed port once it has stopped
+            status, _ = s.request("GET", "/health", timeout=5)
+            assert status in (200, 503)
+        except OSError:
+            pass
+        assert s.proc.wait(timeout=15) == 1
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    pid = s.health["processes"]["scheduler"]
+    assert f"the scheduler process (pid {pid}) exited with code -9" in s.log.read_text()
+    assert _gone(s.pids(), 5)
+    assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]
+
+
+def test_shell_chats_with_history_reset_and_exit(model: Path, tmp_path: Path) -> None:
+    package_root = Path(importlib.util.find_spec("minisgl").origin).parent.parent
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=os.pathsep.join(
+        [str(package_root), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--model", str(model), "--shell",
+         "--max-seq-len-override", "64"], input="hello\nhello\n/reset\nhello\n/exit\n",
+        capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ready, rest = out.stdout.split("\n", 1)
+    assert "is ready" in ready
+    before, after = rest.split("(conversation reset)\n")  # answers may hold newlines
+    # the tiny model never says EOS: its first answer fills the 64-token context, so the second
+    # turn (question, answer, question) cannot fit; the shell says so and goes on
+    assert "error: the prompt has" in out.stderr
+    # after /reset the same question with no history: the same greedy answer
+    assert before == after and len(after) > 1
