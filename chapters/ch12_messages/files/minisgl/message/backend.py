@@ -1,0 +1,46 @@
+"""Messages to the scheduler process, from the tokenizer (chapter 12)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import SamplingParams
+
+from .codec import message
+
+message(SamplingParams)  # travels inside UserMsg and TokenizeMsg
+
+
+@message
+@dataclass
+class UserMsg:
+    """A tokenized request: its prompt as a 1-D int32 CPU tensor."""
+
+    uid: int
+    input_ids: torch.Tensor
+    sampling_params: SamplingParams
+
+
+@message
+@dataclass
+class AbortBackendMsg:
+    """Stop a request wherever it is and give back its table row and KV pages."""
+
+    uid: int
+
+
+@message
+@dataclass
+class ExitMsg:
+    """Leave the loop and shut down."""
+
+
+@message
+@dataclass
+class BatchBackendMsg:
+    data: list[UserMsg | AbortBackendMsg | ExitMsg]
+
+
+BackendMsg = UserMsg | AbortBackendMsg | ExitMsg | BatchBackendMsg

@@ -1,0 +1,66 @@
+"""Messages to the tokenizer process: from the API server (text in) and from the scheduler (token
+ids out) (chapter 12)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minisgl.core import SamplingParams
+
+from .codec import message
+
+
+@message
+@dataclass
+class TokenizeMsg:
+    """A new request from the API server. `prompt` is plain text, a chat (a list of
+    {"role", "content"} messages, templated with add_generation_prompt), or token ids."""
+
+    uid: int
+    prompt: str | list[dict[str, str]] | list[int]
+    sampling_params: SamplingParams
+    stop: list[str]  # cut the output before the first of these strings (chapter 13)
+
+
+@message
+@dataclass
+class DetokenizeMsg:
+    """One sampled token of a request, from the scheduler. `finish_reason` is set on the last
+    one: "stop" (EOS), "length" (max_tokens or the context is full), or "error" with `error`
+    saying why the request could not run (then `next_token` is -1)."""
+
+    uid: int
+    next_token: int
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@message
+@dataclass
+class DetokenizeSetupMsg:
+    """From a tokenizer worker to the detokenizer (with --num-tokenizer N > 0, they are
+    different processes): what it needs to know of a new request before its first token."""
+
+    uid: int
+    prompt_tokens: int
+    stop: list[str]
+
+
+@message
+@dataclass
+class AbortMsg:
+    """The API server gave up on a request (its client went away)."""
+
+    uid: int
+
+
+@message
+@dataclass
+class BatchTokenizerMsg:
+    """Several messages in one frame: one send and one wake-up for a whole step's tokens."""
+
+    data: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg]
+
+
+TokenizerMsg = TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg | BatchTokenizerMsg
