@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from minisgl.message import StatsReply, UserReply
+from minisgl.message import UserReply
 
 from .frontend import FrontendManager
 from .protocol import (
@@ -80,8 +80,9 @@ def create_app(model_name: str, max_seq_len: int,
         """The scheduler's own count of its rows and pages, and when idle its integrity
         check: how the tests see that every client that went away gave its memory back."""
         reply = await ready().stats()
-        if not isinstance(reply, StatsReply):
-            raise APIError(503, manager().state, kind="service_unavailable")
+        if reply is None:
+            raise APIError(503, f"the scheduler did not answer; the server is {manager().state}",
+                           kind="service_unavailable")
         return dataclasses.asdict(reply)
 
     @app.post("/v1/chat/completions")

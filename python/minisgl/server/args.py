@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
     p.add_argument("--attention-backend", "--attn", default="auto",
                    help="attention backend; auto picks one for the device")
-    p.add_argument("--cache-type", default="radix", choices=["radix", "naive"],
+    p.add_argument("--cache-type", "--cache", default="radix", choices=["radix", "naive"],
                    help="prefix cache")
     p.add_argument("--shell-mode", "--shell", action="store_true", dest="shell",
                    help="chat in this terminal instead of serving HTTP")

@@ -45,7 +45,14 @@ class FrontendManager:
         self.state = "starting"
         self.processes: dict[str, int] = {}  # name -> pid, shown by /health
         self.sending: set[asyncio.Task[None]] = set()  # aborts on their way (kept referenced)
+        self.closed = False
         self.listener = asyncio.get_running_loop().create_task(self._listen())
+        self.listener.add_done_callback(self._listener_ended)
+
+    def _listener_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:  # a bug: say so, hang no one
+            logger.error("the reply listener failed: %r", task.exception())
+            self.fail(f"the reply listener failed: {task.exception()!r}")
 
     async def _listen(self) -> None:
         while True:
@@ -85,22 +92,26 @@ class FrontendManager:
     def abort(self, uid: int) -> None:
         """Tell the scheduler to free the request. Not a coroutine: it is called while the
         request's task is being cancelled, when awaiting is no longer possible."""
+        if self.closed:  # shutting down: the scheduler goes away too
+            return
         task = asyncio.get_running_loop().create_task(self.to_tokenizer.put(AbortMsg(uid)))
         self.sending.add(task)
         task.add_done_callback(self.sending.discard)
 
-    async def stats(self, timeout_s: float = 10.0) -> StatsReply:
-        """The scheduler's own account of its rows and pages (a debug endpoint shows it)."""
+    async def stats(self, timeout_s: float = 10.0) -> StatsReply | None:
+        """The scheduler's own account of its rows and pages (a debug endpoint shows it); None
+        if it did not answer in time, or a process died meanwhile."""
         uid = next(self.uids)
         inbox = self.inboxes[uid] = _Inbox()
         try:
             await self.to_tokenizer.put(StatsMsg(uid))
             await asyncio.wait_for(inbox.event.wait(), timeout_s)
-            reply = inbox.replies[0]
-            assert isinstance(reply, StatsReply)
-            return reply
+        except asyncio.TimeoutError:
+            return None
         finally:
             del self.inboxes[uid]
+        reply = inbox.replies[0]
+        return reply if isinstance(reply, StatsReply) else None
 
     def fail(self, error: str) -> None:
         """A process died: every request waiting gets an error, and no new one is taken."""
@@ -110,6 +121,7 @@ class FrontendManager:
             inbox.event.set()
 
     def close(self) -> None:
+        self.closed = True
         self.listener.cancel()
         self.to_tokenizer.close()
         self.from_tokenizer.close()
