@@ -62,9 +62,12 @@ class Harness:
         if busy:
             self._turn()
         # idle: what it sent may still be on the way (delivery is asynchronous)
-        wait = 0 if busy else 100
-        while (batch := self.from_sched.get(timeout_ms=wait)) is not None:
-            wait = 0
+        self.collect(0 if busy else 100)
+
+    def collect(self, wait_ms: int) -> None:
+        """File what the scheduler sent, waiting up to wait_ms for the first frame."""
+        while (batch := self.from_sched.get(timeout_ms=wait_ms)) is not None:
+            wait_ms = 0
             self.log += batch.data
             for m in batch.data:
                 if m.next_token >= 0:
@@ -155,6 +158,8 @@ def test_bad_requests_are_answered_at_once_and_the_loop_goes_on(
     too_long = list(range(h.sched.max_seq_len))
     h.send(user(1, []), user(2, too_long), user(3, [5, 10**6]), user(4, PROMPTS[1]))
     h.step()  # one step: the three errors are out before any forward pass of theirs
+    while len(h.ends) < 3:  # sent in that step; delivery may lag
+        h.collect(10_000)
     assert {u: e[0].finish_reason for u, e in h.ends.items()} == {1: "error", 2: "error",
                                                                    3: "error"}
     assert "empty" in h.ends[1][0].error and "at most" in h.ends[2][0].error
@@ -203,8 +208,10 @@ def test_an_abort_while_the_eos_batch_is_in_flight(harness: Callable[..., Harnes
     first, second = hf_greedy(model_dir("tiny-qwen3"), PROMPTS[0], 2)[0]
     h.sched.eos_token_id = second
     h.send(user(0, PROMPTS[0]))
-    while 0 not in h.tokens:  # its first token is out: the batch sampling the EOS is in flight
-        h.step()
+    h.step()  # the prefill is launched
+    h.step()  # the decode that samples the EOS is launched; the prefill's token goes out
+    while 0 not in h.tokens:
+        h.collect(10_000)
     assert h.tokens[0] == [first] and h.data is not None
     h.send(AbortBackendMsg(0))
     h.run_until({0})

@@ -94,9 +94,9 @@ def freeze(book: Book) -> int:
     errors = []
     for ch in book.chapters:
         for f in ch.files:
-            stored, live = book.stored_path(ch, f), book.live_path(ch, f)
-            if stored.exists() or (live.is_file() and git_blob_hash(live.read_bytes()) == f.hash):
-                continue
+            stored, source = book.stored_path(ch, f), book.source(ch, f)
+            if source.is_file() and git_blob_hash(source.read_bytes()) == f.hash:
+                continue  # its own frozen copy, an earlier chapter's, or the live file
             try:
                 cmd = ["git", "cat-file", "blob", f.hash]
                 got = subprocess.run(cmd, cwd=book.root, capture_output=True, check=False)

@@ -200,8 +200,18 @@ class Book:
         return ch.folder / "files" / f.path
 
     def source(self, ch: Chapter, f: TreeFile) -> Path:
+        """Where tree N's copy of f is read from: its own frozen copy; for a file the same as in
+        tree N-1, wherever tree N-1 reads it from (one frozen copy serves a run of chapters);
+        else the live file."""
         stored = self.stored_path(ch, f)
-        return stored if stored.is_file() else self.live_path(ch, f)
+        if stored.is_file():
+            return stored
+        prev = self.previous(ch)
+        if f.status == "same" and prev is not None:
+            twin = next((g for g in prev.files if g.path == f.path and g.hash == f.hash), None)
+            if twin is not None:
+                return self.source(prev, twin)
+        return self.live_path(ch, f)
 
     def rel(self, path: Path) -> str:
         return (
