@@ -145,6 +145,14 @@ def main() -> None:
             outs = llm.generate(prompts, params)
             return [tokenizer.decode(o["token_ids"], skip_special_tokens=True) for o in outs]
 
+        solo = []  # the same one request offline: what the server's ITL at 1 client adds to
+        for _ in range(rounds):
+            start = time.perf_counter()
+            llm.generate([prompts[0]], params)
+            solo.append((time.perf_counter() - start) / max_tokens)
+        per_token = statistics.median(solo) * 1e3
+        print(f"  offline, the same engine in-process, 1 request: {per_token:.1f} ms per output "
+              f"token (prefill included), median of {rounds}")
         times: dict[str, list[float]] = {"offline": [], "server": []}
         texts: dict[str, list[str]] = {}
         for i in tqdm(range(rounds + 1), desc="throughput rounds", file=sys.stderr):
