@@ -1,0 +1,83 @@
+"""Chapter 16: the communicator on real processes over gloo, and the refusal of a head count
+that does not divide."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl.distributed import (
+    DistributedInfo,
+    all_gather,
+    all_reduce,
+    broadcast,
+    destroy_distributed,
+    init_distributed,
+)
+
+
+def _collectives(rank: int, size: int, rendezvous: str, out: mp.Queue) -> None:
+    init_distributed(DistributedInfo(rank, size), torch.device("cpu"), rendezvous)
+    try:
+        x = torch.arange(4, dtype=torch.float32) + 10 * rank
+        summed = all_reduce(x.clone())
+        gathered = all_gather(x)
+        b = broadcast(torch.full((3,), float(rank)), src=size - 1)
+        out.put((rank, summed.tolist(), gathered.tolist(), b.tolist()))
+    finally:
+        destroy_distributed()
+
+
+def _get(out: mp.Queue, procs: list, timeout_s: float = 120) -> tuple:
+    """The next result, failing at once (not after the timeout) if a rank died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a rank failed: exit codes {[p.exitcode for p in procs]}"
+    raise AssertionError(f"no result in {timeout_s} s")
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_collectives_across_real_processes(size: int, tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_collectives, args=(r, size, rendezvous, out))
+             for r in range(size)]
+    try:
+        for p in procs:
+            p.start()
+        results = sorted(_get(out, procs) for _ in range(size))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    rows = [[float(i + 10 * r) for i in range(4)] for r in range(size)]
+    assert [r[0] for r in results] == list(range(size))  # every rank answered
+    for _, summed, gathered, b in results:
+        assert summed == [sum(col) for col in zip(*rows)]
+        assert gathered == rows  # every rank's tensor, in rank order
+        assert b == [float(size - 1)] * 3  # the last rank's value everywhere
+    assert all(p.exitcode == 0 for p in procs)
+
+
+def test_one_rank_needs_no_group() -> None:
+    init_distributed(DistributedInfo(0, 1), torch.device("cpu"), "unused")
+    x = torch.ones(3)
+    assert all_reduce(x) is x and all_gather(x).shape == (1, 3) and broadcast(x) is x
+
+
+def test_heads_that_do_not_divide_are_refused_by_number() -> None:
+    with pytest.raises(ValueError, match=r"num_qo_heads = 9 does not divide by tp = 2.*1, 3, 9"):
+        DistributedInfo(0, 2).split(9, "num_qo_heads")  # SmolLM2's 9 heads
+    assert DistributedInfo(1, 4).split(32, "num_qo_heads") == 8
