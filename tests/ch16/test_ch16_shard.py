@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from minisgl.distributed import DistributedInfo
 from minisgl.distributed.shard import HeadSplit, shard_of
 from minisgl.models.config import ModelConfig, load_hf_config
-from minisgl.models.weight import read_safetensors
+from minisgl.models.weight import load_weight, read_safetensors
 
 
 def _take(t: torch.Tensor, name: str, config: ModelConfig, tp: DistributedInfo) -> torch.Tensor:
@@ -80,3 +80,40 @@ def test_kv_heads_fewer_than_ranks_are_replicated(model_dir: Callable[[str], Pat
     with pytest.raises(ValueError, match="num_key_value_heads = 3 is below tp = 4"):
         HeadSplit.of(dataclasses.replace(config, num_qo_heads=12, num_kv_heads=3),
                      DistributedInfo(0, 4))
+
+
+@pytest.mark.parametrize("arch", ["tiny-qwen3", "tiny-mistral"])
+def test_each_rank_reads_only_its_slice(arch: str, model_dir: Callable[[str], Path]) -> None:
+    """load_weight with a rank's shards equals the full load cut the same way, and holds
+    about 1/tp of the bytes (the norms are whole on every rank)."""
+    path = model_dir(arch)
+    config = ModelConfig.from_hf(load_hf_config(path))
+    full = load_weight(path, torch.device("cpu"), torch.float32, config.tie_word_embeddings)
+    tp = 2
+    sizes = []
+    for rank in range(tp):
+        info = DistributedInfo(rank, tp)
+        local = load_weight(path, torch.device("cpu"), torch.float32,
+                            config.tie_word_embeddings, lambda n, i=info: shard_of(n, config, i))
+        assert local.keys() == full.keys()
+        heads = HeadSplit.of(config, info)
+        d = config.head_dim
+        for key, t in local.items():
+            whole = full[key]
+            if key.endswith("qkv_proj.weight"):
+                q, k, v = whole.split([config.num_qo_heads * d, config.num_kv_heads * d,
+                                       config.num_kv_heads * d])
+                want = torch.cat([q[heads.first_qo * d:(heads.first_qo + heads.qo_heads) * d],
+                                  k[heads.first_kv * d:(heads.first_kv + heads.kv_heads) * d],
+                                  v[heads.first_kv * d:(heads.first_kv + heads.kv_heads) * d]])
+            elif key.endswith("gate_up_proj.weight"):
+                gate, up = whole.chunk(2)
+                want = torch.cat([_take(gate, "x.gate_proj.weight", config, info),
+                                  _take(up, "x.up_proj.weight", config, info)])
+            else:
+                hf_name = key.replace("qkv_proj", "q_proj")
+                want = _take(whole, hf_name, config, info)
+            assert torch.equal(t, want), key
+        sizes.append(sum(t.numel() for t in local.values()))
+    total = sum(t.numel() for t in full.values())
+    assert all(s < 0.6 * total for s in sizes)  # about half each

@@ -4,10 +4,12 @@ says it; the layers size their weights by it and the loader reads only that slic
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from minisgl.models.config import ModelConfig
+from typing import TYPE_CHECKING
 
 from .info import DistributedInfo
+
+if TYPE_CHECKING:  # models import this module to load their slices
+    from minisgl.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
