@@ -3,6 +3,7 @@ says it; the layers size their weights by it and the loader reads only that slic
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,3 +77,15 @@ def shard_of(name: str, config: ModelConfig, tp: DistributedInfo) -> Shard:
     if part in ("embed_tokens", "lm_head"):
         return vocab_rows(config.vocab_size, tp)
     return Shard()  # norms, and the biases of o_proj / down_proj (added once, after the sum)
+
+
+def local_config(config: ModelConfig, tp: DistributedInfo) -> ModelConfig:
+    """The model as one rank sees it: its heads and its share of the MLP. The vocabulary stays
+    whole here: the vocabulary layers cut it themselves (vocab_rows), as they must gather it
+    back. Everything sized from the config (weights, the KV pool, attention) is then local."""
+    if tp.size == 1:
+        return config
+    heads = HeadSplit.of(config, tp)
+    return dataclasses.replace(config, num_qo_heads=heads.qo_heads, num_kv_heads=heads.kv_heads,
+                               intermediate_size=tp.split(config.intermediate_size,
+                                                          "intermediate_size"))

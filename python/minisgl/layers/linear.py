@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minisgl.distributed import all_reduce, get_tp_info
+
 from .base import BaseOP
 
 
@@ -36,15 +38,21 @@ class LinearColParallelMerged(_Linear):
         super().__init__(input_size, sum(output_sizes), has_bias)
 
 
-class LinearOProj(_Linear):
-    """Attention's output projection o_proj."""
-
-    def __init__(self, input_size: int, output_size: int, has_bias: bool = False) -> None:
-        super().__init__(input_size, output_size, has_bias)
-
-
 class LinearRowParallel(_Linear):
-    """The MLP's down_proj."""
+    """The MLP's down_proj. Under tensor parallelism each rank holds the columns of its share
+    of the input, so its output is a partial sum: all-reduced, and the bias added once after
+    (chapter 16)."""
 
     def __init__(self, input_size: int, output_size: int, has_bias: bool = False) -> None:
         super().__init__(input_size, output_size, has_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if get_tp_info().size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class LinearOProj(LinearRowParallel):
+    """Attention's output projection o_proj: row-parallel like down_proj (its input is this
+    rank's heads)."""
