@@ -7,6 +7,7 @@ from functools import cached_property
 
 import torch
 
+from minisgl.distributed import DistributedInfo
 from minisgl.models import ModelConfig, load_hf_config
 
 
@@ -23,6 +24,8 @@ class EngineConfig:
     device: str | None = None  # None: CUDA if present, else CPU
     cpu_kv_cache_bytes: int = 1 << 30  # CPU: how much memory the KV pool may take
     seed: int = 42
+    tp_info: DistributedInfo = DistributedInfo()  # this rank of the tensor-parallel group
+    dist_init: str = ""  # where the ranks meet (tcp://HOST:PORT or file://PATH); chapter 16
 
     @cached_property
     def model_config(self) -> ModelConfig:

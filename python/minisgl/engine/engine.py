@@ -10,6 +10,8 @@ import torch
 
 from minisgl.attention import create_attention_backend, resolve_backend_name
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
+from minisgl.distributed import destroy_distributed, init_distributed
+from minisgl.distributed.shard import local_config, shard_of
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.models import create_model, load_weight
 from minisgl.utils.device import create_event, create_stream, pick_device, set_cpu_threads
@@ -40,7 +42,9 @@ class Engine:
         self.device = pick_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.num_threads = set_cpu_threads() if self.device.type == "cpu" else 0
+        tp = config.tp_info
+        self.num_threads = set_cpu_threads(tp.size) if self.device.type == "cpu" else 0
+        init_distributed(tp, self.device, config.dist_init)  # no group needed for one rank
         self.stream = create_stream(self.device)
         if self.device.type == "cuda":
             torch.cuda.set_stream(self.stream)  # type: ignore[arg-type]
@@ -54,14 +58,17 @@ class Engine:
             raise
 
     def _build(self, config: EngineConfig) -> None:
-        model_config = config.model_config
+        tp = config.tp_info
+        # this rank's heads and MLP share: the model, the KV pool and attention are sized by it
+        self.local_config = model_config = local_config(config.model_config, tp)
         free_before = self._free_memory()
 
         # the model is built on the meta device (no memory), then the weights replace its tensors
         with torch.device("meta"), _default_dtype(self.dtype):
             self.model = create_model(model_config)
-        self.model.load_state_dict(load_weight(config.model_path, self.device, self.dtype,
-                                               model_config.tie_word_embeddings))
+        self.model.load_state_dict(load_weight(
+            config.model_path, self.device, self.dtype, model_config.tie_word_embeddings,
+            lambda name: shard_of(name, config.model_config, tp)))  # only this rank's slice
 
         self.num_pages = self._determine_num_pages(free_before)
         num_tokens = self.num_pages * config.page_size
@@ -89,7 +96,7 @@ class Engine:
         return torch.cuda.mem_get_info(self.device)[0]
 
     def _determine_num_pages(self, free_before: int) -> int:
-        c, mc = self.config, self.config.model_config
+        c, mc = self.config, self.local_config
         page_bytes = (2 * mc.num_layers * c.page_size * mc.num_kv_heads * mc.head_dim
                       * self.dtype.itemsize)
         if c.num_page_override is not None:
@@ -118,6 +125,7 @@ class Engine:
 
     def shutdown(self) -> None:
         set_global_ctx(None)
+        destroy_distributed()
 
 
 def _align_up(n: int, multiple: int) -> int:
