@@ -20,16 +20,27 @@ from reference import hf_greedy
 PROMPTS = [[5, 80, 200, 31, 7, 99], [260, 18, 44], list(range(40, 100))]
 
 
-def _rank(path: str, rank: int, size: int, rendezvous: str, out: mp.Queue) -> None:
+def _generate(path: str, tp: DistributedInfo, rendezvous: str
+              ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of PROMPTS, and the logits of every step as the sampler saw them."""
     from minisgl.llm import LLM
 
-    llm = LLM(path, dtype=torch.float32, num_page_override=512,
-              tp_info=DistributedInfo(rank, size), dist_init=rendezvous)
+    llm = LLM(path, dtype=torch.float32, num_page_override=512, tp_info=tp,
+              dist_init=rendezvous)
+    seen: list[torch.Tensor] = []
+    sample = llm.engine.sampler.sample
+    llm.engine.sampler.sample = lambda logits, args: seen.append(logits.clone()) or sample(
+        logits, args)
     try:
         got = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
-        out.put((rank, [g["token_ids"] for g in got]))
+        return [g["token_ids"] for g in got], seen
     finally:
         llm.shutdown()
+
+
+def _rank(path: str, rank: int, size: int, rendezvous: str, out: mp.Queue) -> None:
+    tokens, logits = _generate(path, DistributedInfo(rank, size), rendezvous)
+    out.put((rank, tokens, [x.tolist() for x in logits]))  # plain data: the process ends
 
 
 @pytest.mark.parametrize("arch,size", [("tiny-qwen3", 2), ("tiny-llama", 2), ("tiny-qwen2", 2),
@@ -60,5 +71,9 @@ def test_tp_gives_hf_greedy_tokens(arch: str, size: int, tmp_path: Path,
                 p.join()
     assert len(results) == size
     expected = [hf_greedy(path, p, 8)[0] for p in PROMPTS]
-    for _, tokens in results:
+    _, one_rank_logits = _generate(str(path), DistributedInfo(0, 1), "")
+    for _, tokens, logits in results:
         assert tokens == expected  # every rank, the same tokens, HF's
+        assert len(logits) == len(one_rank_logits)  # the same batches, step by step
+        for a, b in zip(logits, one_rank_logits):
+            assert (torch.tensor(a) - b).abs().max() <= 1e-4  # and the same logits as one rank
