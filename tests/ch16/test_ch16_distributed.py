@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,12 +46,15 @@ def _get(out: mp.Queue, procs: list, timeout_s: float = 120) -> tuple:
     raise AssertionError(f"no result in {timeout_s} s")
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_collectives_across_real_processes(size: int, tmp_path: Path) -> None:
+def _run_ranks(target: Callable[..., None], size: int, tmp_path: Path, *args: object
+               ) -> list[tuple]:
+    """target(rank, size, rendezvous, *args, out) on `size` real processes; their results, in
+    rank order. Every process is gone when this returns, whatever happened."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    tmp_path.mkdir(parents=True, exist_ok=True)
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_collectives, args=(r, size, rendezvous, out))
+    procs = [ctx.Process(target=target, args=(r, size, rendezvous, *args, out))
              for r in range(size)]
     try:
         for p in procs:
@@ -62,19 +66,46 @@ def test_collectives_across_real_processes(size: int, tmp_path: Path) -> None:
             if p.is_alive():
                 p.kill()
                 p.join()
+    assert all(p.exitcode == 0 for p in procs)
+    return results
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])  # 1: a group of one still goes through gloo
+def test_collectives_across_real_processes(size: int, tmp_path: Path) -> None:
+    results = _run_ranks(_collectives, size, tmp_path)
     rows = [[float(i + 10 * r) for i in range(4)] for r in range(size)]
     assert [r[0] for r in results] == list(range(size))  # every rank answered
     for _, summed, gathered, b in results:
         assert summed == [sum(col) for col in zip(*rows)]
         assert gathered == rows  # every rank's tensor, in rank order
         assert b == [float(size - 1)] * 3  # the last rank's value everywhere
-    assert all(p.exitcode == 0 for p in procs)
 
 
 def test_one_rank_needs_no_group() -> None:
-    init_distributed(DistributedInfo(0, 1), torch.device("cpu"), "unused")
+    init_distributed(DistributedInfo(0, 1), torch.device("cpu"), "")
+    assert not torch.distributed.is_initialized()
     x = torch.ones(3)
     assert all_reduce(x) is x and all_gather(x).shape == (1, 3) and broadcast(x) is x
+
+
+def _agree(rank: int, size: int, rendezvous: str, free: list[int], out: mp.Queue) -> None:
+    from minisgl.engine.engine import agree_free_memory
+
+    init_distributed(DistributedInfo(rank, size), torch.device("cpu"), rendezvous)
+    try:
+        out.put((rank, agree_free_memory(free[rank], tolerance=2 << 30)))
+    except RuntimeError as e:
+        out.put((rank, str(e)))
+    finally:
+        destroy_distributed()
+
+
+def test_free_memory_is_the_least_and_ranks_too_far_apart_are_refused(tmp_path: Path) -> None:
+    ok = _run_ranks(_agree, 2, tmp_path / "a", [5 << 30, 4 << 30])
+    assert ok == [(0, 4 << 30), (1, 4 << 30)]  # both ranks size their pool for the tightest
+    refused = _run_ranks(_agree, 2, tmp_path / "b", [7 << 30, 4 << 30])
+    for _, message in refused:  # every rank refuses, so none is left waiting for the others
+        assert "4.00 to 7.00 GiB, more than 2 GiB apart" in message
 
 
 def test_heads_that_do_not_divide_are_refused_by_number() -> None:

@@ -44,7 +44,8 @@ def _rank(path: str, rank: int, size: int, rendezvous: str, out: mp.Queue) -> No
 
 
 @pytest.mark.parametrize("arch,size", [("tiny-qwen3", 2), ("tiny-llama", 2), ("tiny-qwen2", 2),
-                                       ("tiny-mistral", 2), ("tiny-qwen3", 4)])  # 4: KV copied
+                                       ("tiny-mistral", 2), ("tiny-llama-kv1", 2),  # KV copied
+                                       ("tiny-qwen3", 4)])  # 2 KV heads on 4 ranks: copied
 def test_tp_gives_hf_greedy_tokens(arch: str, size: int, tmp_path: Path,
                                    model_dir: Callable[[str], Path]) -> None:
     path = model_dir(arch)

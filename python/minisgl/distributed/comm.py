@@ -8,47 +8,65 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .info import DistributedInfo, get_tp_info, set_tp_info
+from .info import DistributedInfo, set_tp_info
+
+# The group's two halves: device tensors go over the main group (NCCL on CUDA, gloo on the CPU),
+# host tensors (the scheduler's message count, free memory) over gloo. None: no group joined.
+_DEVICE_GROUP: dist.ProcessGroup | None = None
+_HOST_GROUP: dist.ProcessGroup | None = None
 
 
 def init_distributed(info: DistributedInfo, device: torch.device, init_method: str,
                      timeout_s: float = 60.0) -> None:
-    """Join the tensor-parallel group (nothing to join for one rank). `init_method` is a
-    rendezvous every rank can reach, e.g. tcp://127.0.0.1:PORT or file://PATH."""
+    """Join the tensor-parallel group. `init_method` is a rendezvous every rank can reach, e.g.
+    tcp://127.0.0.1:PORT or file://PATH. One rank joins nothing unless given a rendezvous (a
+    group of one still runs every collective through the backend: the GPU check does that)."""
+    global _DEVICE_GROUP, _HOST_GROUP
     set_tp_info(info)
-    if info.size == 1 or dist.is_initialized():
+    if _DEVICE_GROUP is not None or (info.size == 1 and not init_method):
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=info.rank,
-                            world_size=info.size, timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method,
+                            rank=info.rank, world_size=info.size,
+                            timeout=timedelta(seconds=timeout_s),
+                            device_id=device if cuda else None)
+    _DEVICE_GROUP = dist.group.WORLD
+    _HOST_GROUP = dist.new_group(backend="gloo") if cuda else _DEVICE_GROUP
 
 
 def destroy_distributed() -> None:
-    if dist.is_initialized():
+    global _DEVICE_GROUP, _HOST_GROUP
+    if _DEVICE_GROUP is not None:
         dist.destroy_process_group()
+    _DEVICE_GROUP = _HOST_GROUP = None
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks, in place (a row-parallel layer's partial outputs)."""
-    if get_tp_info().size > 1:
-        dist.all_reduce(x)
+def _group(x: torch.Tensor) -> dist.ProcessGroup | None:
+    return _HOST_GROUP if x.device.type == "cpu" else _DEVICE_GROUP
+
+
+def all_reduce(x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+               ) -> torch.Tensor:
+    """The reduction over ranks (default: the sum, a row-parallel layer's partial outputs), in
+    place."""
+    if (group := _group(x)) is not None:
+        dist.all_reduce(x, op, group=group)
     return x
 
 
 def all_gather(x: torch.Tensor) -> torch.Tensor:
     """Every rank's x, stacked along a new first dimension: [size, *x.shape]."""
-    size = get_tp_info().size
-    if size == 1:
+    if (group := _group(x)) is None:
         return x.unsqueeze(0)
-    flat = x.contiguous().view(-1)  # gloo gathers into one flat tensor, rank after rank
+    size = dist.get_world_size(group)
+    flat = x.contiguous().view(-1)  # gathered into one flat tensor, rank after rank
     out = torch.empty(size * flat.numel(), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, flat)
+    dist.all_gather_into_tensor(out, flat, group=group)
     return out.view(size, *x.shape)
 
 
 def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Rank src's x on every rank, in place."""
-    if get_tp_info().size > 1:
-        dist.broadcast(x, src)
+    if (group := _group(x)) is not None:
+        dist.broadcast(x, src, group=group)
     return x

@@ -7,10 +7,11 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from minisgl.attention import create_attention_backend, resolve_backend_name
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
-from minisgl.distributed import destroy_distributed, init_distributed
+from minisgl.distributed import all_reduce, destroy_distributed, init_distributed
 from minisgl.distributed.shard import local_config, shard_of
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.models import create_model, load_weight
@@ -39,10 +40,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = pick_device(config.device)
+        tp = config.tp_info
+        self.device = pick_device(config.device, tp.rank)  # rank r: cuda:r
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        tp = config.tp_info
         self.num_threads = set_cpu_threads(tp.size) if self.device.type == "cpu" else 0
         init_distributed(tp, self.device, config.dist_init)  # no group needed for one rank
         self.stream = create_stream(self.device)
@@ -62,6 +63,7 @@ class Engine:
         # this rank's heads and MLP share: the model, the KV pool and attention are sized by it
         self.local_config = model_config = local_config(config.model_config, tp)
         free_before = self._free_memory()
+        agree_free_memory(free_before)  # refuses ranks too far apart before any work
 
         # the model is built on the meta device (no memory), then the weights replace its tensors
         with torch.device("meta"), _default_dtype(self.dtype):
@@ -89,8 +91,9 @@ class Engine:
         self.page_table[self.dummy_req.table_idx].fill_(num_tokens)
 
     def _free_memory(self) -> int:
+        """Free device memory; on the CPU, the KV budget (the ranks share one memory)."""
         if self.device.type != "cuda":
-            return 0
+            return self.config.cpu_kv_cache_bytes
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(self.device)[0]
@@ -105,7 +108,9 @@ class Engine:
             model_bytes = free_before - self._free_memory()
             num_pages = (int(c.memory_ratio * free_before) - model_bytes) // page_bytes
         else:
-            num_pages = c.cpu_kv_cache_bytes // page_bytes
+            num_pages = free_before // page_bytes
+        # every rank must hold the same pool (the schedulers run in lockstep): the smallest
+        num_pages = int(all_reduce(torch.tensor([num_pages]), dist.ReduceOp.MIN))
         if num_pages < 2:
             raise RuntimeError(f"room for only {num_pages} KV pages of {page_bytes} bytes: "
                                "raise cpu_kv_cache_bytes / memory_ratio or num_page_override")
@@ -126,6 +131,19 @@ class Engine:
     def shutdown(self) -> None:
         set_global_ctx(None)
         destroy_distributed()
+
+
+def agree_free_memory(free: int, tolerance: int = 2 << 30) -> int:
+    """The least free memory of any rank, so every rank sizes the same KV pool and it fits on
+    the tightest. One all-reduce (MIN of [free, -free]) gives the least and the most; ranks
+    further apart than `tolerance` mean another process holds one GPU: refused."""
+    x = all_reduce(torch.tensor([free, -free], dtype=torch.int64), dist.ReduceOp.MIN)
+    least, most = int(x[0]), -int(x[1])
+    if most - least > tolerance:
+        raise RuntimeError(f"free memory differs across tensor-parallel ranks: {least / 2**30:.2f}"
+                           f" to {most / 2**30:.2f} GiB, more than {tolerance / 2**30:.0f} GiB "
+                           "apart; another process is using one of the GPUs (see nvidia-smi)")
+    return least
 
 
 def _align_up(n: int, multiple: int) -> int:

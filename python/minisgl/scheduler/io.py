@@ -6,6 +6,9 @@ import logging
 import signal
 from multiprocessing.connection import Connection
 
+import torch
+
+from minisgl.distributed import broadcast
 from minisgl.message import (
     AbortBackendMsg,
     BackendMsg,
@@ -17,7 +20,7 @@ from minisgl.message import (
     StatsReply,
     UserMsg,
 )
-from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
+from minisgl.utils.mp import ZmqPubQueue, ZmqPullQueue, ZmqPushQueue, ZmqSubQueue
 
 from .config import SchedulerConfig
 from .scheduler import Scheduler
@@ -32,20 +35,54 @@ class SchedulerExit(Exception):
 
 class ServerScheduler(Scheduler):
     """The same loop as the offline LLM (chapter 7): only the two I/O hooks differ. Requests
-    come from the tokenizer process, tokens go to the detokenizer, one frame per step."""
+    come from the tokenizer process, tokens go to the detokenizer, one frame per step.
 
-    def __init__(self, config: SchedulerConfig, inbox: str, outbox: str) -> None:
+    With tensor parallelism (chapter 16) every rank runs this loop on the same messages, so all
+    step through the same batches: rank 0 receives, forwards each frame as it is to the other
+    ranks (ZMQ PUB/SUB on `fanout`) and broadcasts how many it forwarded; only rank 0 replies."""
+
+    def __init__(self, config: SchedulerConfig, inbox: str, outbox: str, fanout: str = "") -> None:
         super().__init__(config)
         self.vocab_size = config.model_config.vocab_size
-        self.inbox = ZmqPullQueue(inbox, bind=True, expected=BackendMsg)
-        self.outbox = ZmqPushQueue[BatchTokenizerMsg](outbox, bind=False)
+        self.tp = config.tp_info
+        self.inbox: ZmqPullQueue[BackendMsg] | ZmqSubQueue[BackendMsg]
+        self.outbox: ZmqPushQueue[BatchTokenizerMsg] | None = None
+        self.fanout: ZmqPubQueue[BackendMsg] | None = None
+        if self.tp.is_primary:
+            self.inbox = ZmqPullQueue(inbox, bind=True, expected=BackendMsg)
+            self.outbox = ZmqPushQueue(outbox, bind=False)
+            if self.tp.size > 1:
+                self.fanout = ZmqPubQueue(fanout, bind=True)
+        else:
+            self.inbox = ZmqSubQueue(fanout, bind=False, expected=BackendMsg)
+        if self.tp.size > 1:  # nothing is published before every rank has subscribed
+            if self.fanout is not None:
+                self.fanout.wait_subscribers(self.tp.size - 1)
+            broadcast(torch.zeros(1))  # a barrier on the host group
         self.aborted_reqs = 0  # requests ended by an abort (chapter 15's stats)
+
+    def _receive_frames(self, blocking: bool) -> list[bytes]:
+        """The frames that arrived, the same list on every rank. Waits (for the first) only when
+        there is nothing to run; every rank knows that alike, since all run the same batches."""
+        if self.tp.is_primary:
+            frames = []
+            while (f := self.inbox.get_raw(None if blocking and not frames else 0)) is not None:
+                frames.append(f)
+                if self.fanout is not None:
+                    self.fanout.put_raw(f)
+            if self.tp.size > 1:
+                broadcast(torch.tensor([len(frames)]))
+            return frames
+        first = [self.inbox.get_raw()] if blocking else []  # rank 0 published it already
+        count = int(broadcast(torch.zeros(1, dtype=torch.int64)))
+        return first + [self.inbox.get_raw() for _ in range(count - len(first))]
 
     def receive_reqs(self, blocking: bool) -> list[PendingReq]:
         """Whatever has arrived; waits only when there is nothing to run."""
         msgs: list[UserMsg | AbortBackendMsg | StatsMsg | ExitMsg] = []
-        while (msg := self.inbox.get(timeout_ms=None if blocking and not msgs else 0)):
-            msgs += msg.data if isinstance(msg, BatchBackendMsg) else [msg]
+        for frame in self._receive_frames(blocking):
+            if (msg := self.inbox.accept(frame)) is not None:  # malformed: refused on every rank
+                msgs += msg.data if isinstance(msg, BatchBackendMsg) else [msg]
         reqs: list[PendingReq] = []
         answers: list[DetokenizeMsg | StatsReply] = []  # sent at once, in one frame
         for m in msgs:
@@ -61,7 +98,7 @@ class ServerScheduler(Scheduler):
                 answers.append(DetokenizeMsg(m.uid, -1, True, "error", error))
             else:
                 reqs.append(PendingReq(m.uid, m.input_ids, m.sampling_params))
-        if answers:
+        if answers and self.outbox is not None:
             self.outbox.put(BatchTokenizerMsg(answers))
         return reqs
 
@@ -99,20 +136,22 @@ class ServerScheduler(Scheduler):
 
     def send_result(self, replies: list[TokenReply]) -> None:
         self.aborted_reqs += sum(r.finish_reason == "abort" for r in replies)
-        if replies:
+        if replies and self.outbox is not None:  # only rank 0 replies
             self.outbox.put(BatchTokenizerMsg([DetokenizeMsg(*r) for r in replies]))
 
     def shutdown(self) -> None:
         super().shutdown()
-        self.inbox.close()
-        self.outbox.close()
+        for queue in (self.inbox, self.outbox, self.fanout):
+            if queue is not None:
+                queue.close()
 
 
 def scheduler_worker(config: SchedulerConfig, inbox: str, outbox: str,
-                     ready: Connection | None = None) -> None:
-    """The scheduler process's main: serve until an ExitMsg or SIGTERM."""
+                     ready: Connection | None = None, fanout: str = "") -> None:
+    """The scheduler process's main (one per tensor-parallel rank): serve until an ExitMsg or
+    SIGTERM."""
     signal.signal(signal.SIGTERM, _exit)
-    scheduler = ServerScheduler(config, inbox, outbox)
+    scheduler = ServerScheduler(config, inbox, outbox, fanout)
     if ready is not None:
         ready.send("scheduler")
     try:

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.models import load_hf_config
+from minisgl.distributed import DistributedInfo
+from minisgl.distributed.shard import local_config
+from minisgl.models import ModelConfig, load_hf_config
 from minisgl.scheduler import SchedulerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,6 +23,10 @@ class ServerArgs:
     port: int
     num_tokenizer: int
     shell: bool
+
+    @property
+    def tp_size(self) -> int:
+        return self.scheduler.tp_info.size
 
     @property
     def model_name(self) -> str:
@@ -60,20 +66,34 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--shell-mode", "--shell", action="store_true", dest="shell",
                    help="chat in this terminal instead of serving HTTP")
     a = p.parse_args(argv)
-    if a.tp_size != 1:
-        p.error(f"--tp-size {a.tp_size}: tensor parallelism arrives in chapter 16")
     if a.num_tokenizer < 0:
         p.error(f"--num-tokenizer must be 0 or more, not {a.num_tokenizer}")
     if not os.path.isdir(a.model_path):
         p.error(f"--model {a.model_path}: no such folder (this server loads local models; "
                 "`python tools/models.py smollm2` makes one)")
+    if error := _tp_error(a.tp_size, a.model_path):
+        p.error(error)
     config = SchedulerConfig(
         model_path=a.model_path, dtype=_dtype(a.dtype, a.model_path),
         max_running_req=a.max_running_requests, attention_backend=a.attention_backend,
         page_size=a.page_size, memory_ratio=a.memory_ratio,
         max_seq_len_override=a.max_seq_len_override, num_page_override=a.num_pages,
-        cache_type=a.cache_type, max_extend_tokens=a.max_extend_tokens)
+        cache_type=a.cache_type, max_extend_tokens=a.max_extend_tokens,
+        tp_info=DistributedInfo(0, a.tp_size))
     return ServerArgs(config, a.host, a.port, a.num_tokenizer, a.shell)
+
+
+def _tp_error(tp: int, model_path: str) -> str | None:
+    """Why the model cannot be split tp ways here, or None: said before any process starts."""
+    if tp < 1:
+        return f"--tp-size must be 1 or more, not {tp}"
+    if torch.cuda.is_available() and tp > torch.cuda.device_count():
+        return f"--tp-size {tp}: one GPU per rank, and this machine has {torch.cuda.device_count()}"
+    try:
+        local_config(ModelConfig.from_hf(load_hf_config(model_path)), DistributedInfo(0, tp))
+    except ValueError as e:
+        return f"--tp-size {tp}: {e}"
+    return None
 
 
 def _dtype(name: str, model_path: str) -> torch.dtype:

@@ -12,13 +12,14 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import uvicorn
 
+from minisgl.distributed import DistributedInfo
 from minisgl.scheduler.io import scheduler_worker
 from minisgl.tokenizer import tokenizer_worker
 from minisgl.utils.mp import IpcNamespace
@@ -38,22 +39,29 @@ class Child:
 
 
 class Addresses:
-    """The ipc:// sockets of one server, in its private folder (chapter 12)."""
+    """The ipc:// sockets of one server, in its private folder (chapter 12), and where its
+    tensor-parallel ranks meet (chapter 16): a file there, so no port can be taken already."""
 
     def __init__(self, ns: IpcNamespace) -> None:
         self.scheduler, self.detokenizer = ns.addr("scheduler"), ns.addr("detokenizer")
         self.tokenizer, self.frontend = ns.addr("tokenizer"), ns.addr("frontend")
+        self.fanout, self.rendezvous = ns.addr("fanout"), f"file://{ns.root / 'rendezvous'}"
 
 
 def start_children(args: ServerArgs, addr: Addresses) -> list[Child]:
-    """The scheduler, and the tokenizer: one process that also detokenizes, or with
-    --num-tokenizer N a detokenizer and N workers that the API server feeds in turn."""
+    """The scheduler (one process per tensor-parallel rank), and the tokenizer: one process that
+    also detokenizes, or with --num-tokenizer N a detokenizer and N workers that the API server
+    feeds in turn."""
     ctx = mp.get_context("spawn")
-    model = args.scheduler.model_path
+    model, tp = args.scheduler.model_path, args.tp_size
     tok = dict(model_path=model, backend=addr.scheduler, frontend=addr.frontend)
     jobs: list[tuple[str, Callable[..., None], dict[str, Any]]] = [
-        ("scheduler", scheduler_worker, dict(config=args.scheduler, inbox=addr.scheduler,
-                                             outbox=addr.detokenizer)),
+        ("scheduler" if tp == 1 else f"scheduler-{rank}", scheduler_worker,
+         dict(config=replace(args.scheduler, tp_info=DistributedInfo(rank, tp),
+                             dist_init=addr.rendezvous if tp > 1 else ""),
+              inbox=addr.scheduler, outbox=addr.detokenizer, fanout=addr.fanout))
+        for rank in range(tp)]
+    jobs += [
         ("detokenizer" if args.num_tokenizer else "tokenizer", tokenizer_worker,
          dict(tok, inbox=addr.detokenizer, bind_inbox=True, has_workers=args.num_tokenizer > 0))]
     jobs += [(f"tokenizer-{i}", tokenizer_worker, dict(tok, inbox=addr.tokenizer,

@@ -33,14 +33,15 @@ class NullStream:
         pass
 
 
-def pick_device(requested: str | None = None) -> torch.device:
-    """CUDA when present, else the CPU; never MPS (its float32 is not exact enough to match HF)."""
+def pick_device(requested: str | None = None, rank: int = 0) -> torch.device:
+    """CUDA when present, else the CPU; never MPS (its float32 is not exact enough to match HF).
+    A CUDA device without an index is the rank's GPU: cuda:rank (chapter 16)."""
     if requested:
         device = torch.device(requested)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)  # an explicit index: torch.cuda.set_device needs one
+        device = torch.device("cuda", rank)  # an explicit index: torch.cuda.set_device needs one
     return device
 
 

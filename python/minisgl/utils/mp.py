@@ -78,7 +78,12 @@ class _Receiver(_Queue, Generic[T]):
             if deadline is not None and time.monotonic() >= deadline:
                 return False
 
-    def _accept(self, frame: bytes) -> T | None:
+    def get_raw(self, timeout_ms: int | None = None) -> bytes | None:
+        """The next frame, undecoded (rank 0 forwards it to the other ranks as it is); None if
+        none came within timeout_ms (None: wait)."""
+        return self.socket.recv() if self.wait(timeout_ms) else None
+
+    def accept(self, frame: bytes) -> T | None:
         """The message in a frame, or None (logged and counted) for a malformed one: one bad
         sender must not stop a receiver that serves every request."""
         try:
@@ -104,24 +109,33 @@ class ZmqPullQueue(_Receiver[T]):
     def get(self, timeout_ms: int | None = None) -> T | None:
         """The next well-formed message; None if none came within timeout_ms (None: wait)."""
         while self.wait(timeout_ms):
-            msg = self._accept(self.socket.recv())
+            msg = self.accept(self.socket.recv())
             if msg is not None:
                 return msg
         return None
-
-    def get_raw(self, timeout_ms: int | None = None) -> bytes | None:
-        """The next frame, undecoded (rank 0 forwards it to the other ranks as it is)."""
-        return self.socket.recv() if self.wait(timeout_ms) else None
 
     def empty(self) -> bool:
         return self.socket.poll(0) == 0
 
 
 class ZmqPubQueue(_Queue, Generic[T]):
-    """Rank 0's broadcast to the other ranks of a tensor-parallel scheduler (chapter 16)."""
+    """Rank 0's broadcast to the other ranks of a tensor-parallel scheduler (chapter 16). No
+    high-water mark: a PUB socket drops what is over it, and a rank that misses one frame would
+    leave the lockstep. XPUB: it sees each subscription arrive (see wait_subscribers)."""
 
     def __init__(self, addr: str, bind: bool) -> None:
-        super().__init__(zmq.Context.instance(), zmq.PUB, addr, bind)
+        super().__init__(zmq.Context.instance(), zmq.XPUB, addr, bind)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+
+    def wait_subscribers(self, n: int, timeout_s: float = 60.0) -> None:
+        """Block until n subscribers have subscribed: a frame published earlier is lost to
+        a subscriber still connecting (ZMQ's "slow joiner")."""
+        deadline = time.monotonic() + timeout_s
+        while n > 0:
+            if self.socket.poll(WAKE_MS) and self.socket.recv()[:1] == b"\x01":
+                n -= 1
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"{self.addr}: {n} subscriber(s) missing after {timeout_s} s")
 
     def put(self, msg: T) -> None:
         self.socket.send(encode(msg), copy=False)
@@ -133,12 +147,13 @@ class ZmqPubQueue(_Queue, Generic[T]):
 class ZmqSubQueue(_Receiver[T]):
     def __init__(self, addr: str, bind: bool, expected: type[T]) -> None:
         super().__init__(zmq.Context.instance(), zmq.SUB, addr, bind, expected)
+        self.socket.setsockopt(zmq.RCVHWM, 0)  # see ZmqPubQueue
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")  # every message
 
     def get(self) -> T:
         while True:
             self.wait(None)
-            if (msg := self._accept(self.socket.recv())) is not None:
+            if (msg := self.accept(self.socket.recv())) is not None:
                 return msg
 
 
@@ -157,6 +172,6 @@ class ZmqAsyncPullQueue(_Receiver[T]):
         super().__init__(zmq.asyncio.Context.instance(), zmq.PULL, addr, bind, expected)
 
     async def get(self) -> T:
-        while (msg := self._accept(await self.socket.recv())) is None:
+        while (msg := self.accept(await self.socket.recv())) is None:
             pass
         return msg

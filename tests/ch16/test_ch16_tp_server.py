@@ -1,0 +1,100 @@
+"""Chapter 16: `python -m minisgl --tp 2` on the CPU: two scheduler ranks over gloo behind one
+API server, answering as one rank does; a rank's death and SIGTERM leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from reference import hf_greedy
+from serving import Server, gone
+
+PROMPT = [7, 300, 41, 99, 5, 260, 18]
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Callable[[str], Path]) -> Path:
+    return model_dir("tiny-llama-kv1")  # one KV head: both ranks hold a copy
+
+
+@pytest.fixture(scope="module")
+def tp2(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(model, tmp_path_factory.mktemp("tp2"), "--tp", "2")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def _generate(server: Server, prompt: list[int], n: int) -> str:
+    status, raw = server.request("POST", "/generate", {"prompt": prompt, "max_tokens": n,
+                                                       "ignore_eos": True})
+    assert status == 200, raw
+    return json.loads(raw)["text"]
+
+
+def test_four_processes_and_hf_greedy_tokens(tp2: Server, model: Path) -> None:
+    assert sorted(tp2.health["processes"]) == ["launcher", "scheduler-0", "scheduler-1",
+                                               "tokenizer"]
+    expected = AutoTokenizer.from_pretrained(model).decode(hf_greedy(model, PROMPT, 8)[0],
+                                                           skip_special_tokens=True)
+    assert _generate(tp2, PROMPT, 8) == expected
+
+
+def test_a_streamed_chat_and_concurrent_clients(tp2: Server) -> None:
+    chats = [[{"role": "user", "content": f"Question {i}: {'xyz'[i % 3] * (i + 1)}?"}]
+             for i in range(8)]
+    client = tp2.client()
+
+    def answer(chat: list[dict[str, str]], stream: bool) -> str:
+        out = client.chat.completions.create(model="tiny", messages=chat, max_tokens=10,
+                                             temperature=0, stream=stream,
+                                             extra_body={"ignore_eos": True})
+        if not stream:
+            return out.choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+
+    solo = [answer(c, False) for c in chats]  # one request at a time
+    with ThreadPoolExecutor(16) as pool:  # then together: the ranks must batch them alike
+        together = list(pool.map(lambda i: answer(chats[i % 8], True), range(16)))
+    assert together == [solo[i % 8] for i in range(16)]
+    status, raw = tp2.request("POST", "/v1/completions", {"prompt": [5, 10**6]})
+    assert status == 400 and "token ids" in json.loads(raw)["error"]["message"]
+    stats = tp2.stats()  # rank 0's view; the other rank's loop ran the same steps
+    assert stats["idle"] and stats["integrity"] == "ok", stats
+
+
+def test_a_dead_rank_stops_the_server_and_sigterm_leaves_nothing(model: Path,
+                                                                 tmp_path: Path) -> None:
+    s = Server(model, tmp_path, "--tp", "2")
+    try:
+        s.wait_ready()
+        os.kill(s.health["processes"]["scheduler-1"], signal.SIGKILL)
+        assert s.proc.wait(timeout=20) == 1  # rank 0 would wait in a collective: not for long
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    pid = s.health["processes"]["scheduler-1"]
+    assert f"the scheduler-1 process (pid {pid}) exited with code -9" in s.log.read_text()
+    assert gone(s.pids(), 10)
+    assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]
+
+
+def test_heads_that_do_not_divide_are_refused_before_any_process(
+        model_dir: Callable[[str], Path]) -> None:
+    out = subprocess.run([sys.executable, "-m", "minisgl", "--model",
+                          str(model_dir("SmolLM2-135M-Instruct")), "--tp", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--tp-size 2: num_attention_heads = 9 does not divide by tp = 2" in out.stderr
+    assert "divisors: [1, 3, 9]" in out.stderr
