@@ -1,5 +1,6 @@
-"""GPU checks in one run (chapters 6 and 11): the Engine and the stage-2 LLM on CUDA against HF,
-and a speed comparison with HF on a Qwen3-0.6B-shaped model.
+"""GPU checks in one run (chapters 6, 11 and 16): the Engine and the stage-2 LLM on CUDA against
+HF, a tensor-parallel group of one over NCCL, and a speed comparison with HF on a
+Qwen3-0.6B-shaped model.
 
     python tools/gpu_check.py stage1 align bf16     # on a machine with CUDA and models/tiny-* made
     python tools/gpu_check.py speed --model /tmp/q06 # a model made by tools/models.py random
@@ -112,6 +113,51 @@ def check_align(name: str) -> list[str]:
             lines.append(f"{'ok  ' if same == 8 else 'FAIL'} align {name} float32 overlap "
                          f"{'on ' if overlap else 'off'} {cache_type} max_running_req {mrr}: "
                          f"{same}/8 equal HF, {computed} prompt tokens computed")
+    return lines
+
+
+def check_tp1() -> list[str]:
+    """Chapter 16 on one GPU: a tensor-parallel group of one over NCCL (the GPU collectives)
+    with its gloo half (the host's), the communicator's calls through both, and the offline LLM
+    joining that group: the same tokens as HF. Two ranks need two GPUs (NCCL refuses two ranks
+    on one device): that run is issue 11's."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from minisgl.distributed import (
+        DistributedInfo,
+        all_gather,
+        all_reduce,
+        broadcast,
+        comm,
+        init_distributed,
+    )
+
+    rendezvous = f"file://{tempfile.mkdtemp()}/rendezvous"
+    init_distributed(DistributedInfo(0, 1), torch.device("cuda", 0), rendezvous)
+    x = torch.arange(6, dtype=torch.bfloat16, device="cuda").view(2, 3)
+    host = torch.tensor([5, -5])
+    ok = (dist.get_backend() == "nccl" and dist.get_backend(comm._HOST_GROUP) == "gloo"
+          and torch.equal(all_reduce(x.clone()), x) and all_gather(x).shape == (1, 2, 3)
+          and torch.equal(broadcast(x.clone()), x)
+          and all_reduce(host, dist.ReduceOp.MIN).tolist() == [5, -5])
+    lines = [f"{'ok  ' if ok else 'FAIL'} tp1 group of one: device collectives over "
+             f"{dist.get_backend()}, host collectives over {dist.get_backend(comm._HOST_GROUP)}"]
+    for name in MODELS:
+        path = ROOT / "models" / name
+        llm = LLM(str(path), dtype=torch.float32, num_page_override=512,
+                  tp_info=DistributedInfo(0, 1), dist_init=rendezvous)
+        out = [o["token_ids"] for o in llm.generate(
+            PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))]
+        llm.shutdown()  # leaves the group: the next LLM joins it again
+        init_distributed(DistributedInfo(0, 1), torch.device("cuda", 0),
+                         f"file://{tempfile.mkdtemp()}/rendezvous")
+        hf = hf_model(path, torch.float32)
+        same = sum(o == hf_greedy(hf, p, 12)[0] for o, p in zip(out, PROMPTS))
+        lines.append(f"{'ok  ' if same == len(PROMPTS) else 'FAIL'} tp1 {name} float32 in the "
+                     f"NCCL group: {same}/{len(PROMPTS)} equal HF")
+    comm.destroy_distributed()
     return lines
 
 
@@ -258,7 +304,8 @@ def check_speed(path: Path, n: int, rounds: int, cb: bool) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("checks", nargs="+", choices=["stage1", "align", "bf16", "speed"])
+    parser.add_argument("checks", nargs="+", choices=["stage1", "align", "bf16", "speed",
+                                                             "tp1"])
     parser.add_argument("--model", type=Path, help="a Qwen3-0.6B-shaped model (bf16, speed)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5, help="speed: timed rounds per method")
@@ -278,6 +325,8 @@ def main() -> None:
             lines += check_bf16(ROOT / "models" / "tiny-qwen3", "tiny-qwen3")
             if args.model:
                 lines += check_bf16(args.model, args.model.name)
+        elif check == "tp1":
+            lines += check_tp1()
         elif check == "speed":
             lines += check_speed(args.model, args.requests, args.rounds, not args.no_cb)
         print("\n".join(lines[-1:]), flush=True)

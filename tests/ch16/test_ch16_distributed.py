@@ -112,3 +112,25 @@ def test_heads_that_do_not_divide_are_refused_by_number() -> None:
     with pytest.raises(ValueError, match=r"num_qo_heads = 9 does not divide by tp = 2.*1, 3, 9"):
         DistributedInfo(0, 2).split(9, "num_qo_heads")  # SmolLM2's 9 heads
     assert DistributedInfo(1, 4).split(32, "num_qo_heads") == 8
+
+
+def test_fanout_waits_for_every_subscriber_and_drops_nothing() -> None:
+    """Rank 0's XPUB sees each of tp - 1 subscriptions (all to the same, empty topic: without
+    XPUB_VERBOSE it would see only the first), and a burst far over ZMQ's default high-water
+    mark of 1000 reaches every rank whole."""
+    from minisgl.message import AbortBackendMsg, BackendMsg, encode
+    from minisgl.utils.mp import IpcNamespace, ZmqPubQueue, ZmqSubQueue
+
+    ns = IpcNamespace()
+    try:
+        with ZmqPubQueue(ns.addr("fanout"), bind=True) as pub, \
+                ZmqSubQueue(ns.addr("fanout"), bind=False, expected=BackendMsg) as s1, \
+                ZmqSubQueue(ns.addr("fanout"), bind=False, expected=BackendMsg) as s2:
+            pub.wait_subscribers(2, timeout_s=10)
+            frames = [encode(AbortBackendMsg(i)) for i in range(5000)]
+            for f in frames:
+                pub.put_raw(f)
+            for s in (s1, s2):
+                assert [s.get_raw(timeout_ms=5000) for _ in frames] == frames
+    finally:
+        ns.remove()

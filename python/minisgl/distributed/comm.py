@@ -58,11 +58,9 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     """Every rank's x, stacked along a new first dimension: [size, *x.shape]."""
     if (group := _group(x)) is None:
         return x.unsqueeze(0)
-    size = dist.get_world_size(group)
-    flat = x.contiguous().view(-1)  # gathered into one flat tensor, rank after rank
-    out = torch.empty(size * flat.numel(), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, flat, group=group)
-    return out.view(size, *x.shape)
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, x.contiguous(), group=group)
+    return torch.stack(out)
 
 
 def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:

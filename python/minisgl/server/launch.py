@@ -117,8 +117,11 @@ async def watch(children: list[Child], manager: FrontendManager,
                 on_failure(error)
                 return
             if c.name in waiting and c.ready.poll():
-                c.ready.recv()
-                waiting.discard(c.name)
+                try:
+                    c.ready.recv()
+                    waiting.discard(c.name)
+                except EOFError:  # it died before saying so: its exit code comes next round
+                    pass
         if not waiting and manager.state == "starting":
             manager.state = "ready"
             logger.info("ready: %s in %.1f s", ", ".join(c.name for c in children),

@@ -126,6 +126,7 @@ class ZmqPubQueue(_Queue, Generic[T]):
     def __init__(self, addr: str, bind: bool) -> None:
         super().__init__(zmq.Context.instance(), zmq.XPUB, addr, bind)
         self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not just new topics
 
     def wait_subscribers(self, n: int, timeout_s: float = 60.0) -> None:
         """Block until n subscribers have subscribed: a frame published earlier is lost to

@@ -1,0 +1,127 @@
+"""The scheduler as a server process: requests and aborts in over ZMQ, tokens out (chapter 14)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from multiprocessing.connection import Connection
+
+from minisgl.message import (
+    AbortBackendMsg,
+    BackendMsg,
+    BatchBackendMsg,
+    BatchTokenizerMsg,
+    DetokenizeMsg,
+    ExitMsg,
+    StatsMsg,
+    StatsReply,
+    UserMsg,
+)
+from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
+
+from .config import SchedulerConfig
+from .scheduler import Scheduler
+from .utils import PendingReq, TokenReply
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerExit(Exception):
+    """An ExitMsg arrived: leave run_forever."""
+
+
+class ServerScheduler(Scheduler):
+    """The same loop as the offline LLM (chapter 7): only the two I/O hooks differ. Requests
+    come from the tokenizer process, tokens go to the detokenizer, one frame per step."""
+
+    def __init__(self, config: SchedulerConfig, inbox: str, outbox: str) -> None:
+        super().__init__(config)
+        self.vocab_size = config.model_config.vocab_size
+        self.inbox = ZmqPullQueue(inbox, bind=True, expected=BackendMsg)
+        self.outbox = ZmqPushQueue[BatchTokenizerMsg](outbox, bind=False)
+        self.aborted_reqs = 0  # requests ended by an abort (chapter 15's stats)
+
+    def receive_reqs(self, blocking: bool) -> list[PendingReq]:
+        """Whatever has arrived; waits only when there is nothing to run."""
+        msgs: list[UserMsg | AbortBackendMsg | StatsMsg | ExitMsg] = []
+        while (msg := self.inbox.get(timeout_ms=None if blocking and not msgs else 0)):
+            msgs += msg.data if isinstance(msg, BatchBackendMsg) else [msg]
+        reqs: list[PendingReq] = []
+        answers: list[DetokenizeMsg | StatsReply] = []  # sent at once, in one frame
+        for m in msgs:
+            if isinstance(m, ExitMsg):
+                raise SchedulerExit
+            if isinstance(m, AbortBackendMsg):
+                self.abort_req(m.uid)
+            elif isinstance(m, StatsMsg):  # blocking: nothing to run and nothing in flight
+                answers.append(self._stats(m.uid, idle=blocking))
+            elif self.aborted.pop(m.uid, None) is not None:  # its abort overtook it
+                self.send_result([TokenReply(m.uid, -1, True, "abort")])
+            elif (error := self._check(m)) is not None:
+                answers.append(DetokenizeMsg(m.uid, -1, True, "error", error))
+            else:
+                reqs.append(PendingReq(m.uid, m.input_ids, m.sampling_params))
+        if answers:
+            self.outbox.put(BatchTokenizerMsg(answers))
+        return reqs
+
+    def _stats(self, uid: int, idle: bool) -> StatsReply:
+        """How the scheduler stands (chapter 15); when idle, with its own integrity check, so
+        a test can see every row and page come back after clients went away."""
+        integrity = None
+        if idle:
+            try:
+                self.cache_manager.check_integrity()
+                if self.table_manager.available_size != self.config.max_running_req:
+                    raise RuntimeError(f"{self.table_manager.available_size} of "
+                                       f"{self.config.max_running_req} table rows are free")
+                integrity = "ok"
+            except RuntimeError as e:
+                integrity = str(e)
+        cache = self.cache_manager
+        return StatsReply(uid, idle, self.aborted_reqs, len(self.prefill_manager.pending),
+                          len(self.decode_manager.running), self.table_manager.available_size,
+                          self.config.max_running_req, len(cache.free_slots), cache.num_pages,
+                          integrity)
+
+    def _check(self, msg: UserMsg) -> str | None:
+        """Why a request can never run here, or None. Answered at once: a request is never
+        dropped in silence, and nothing in the loop raises because of one."""
+        n = len(msg.input_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.max_seq_len:
+            return (f"the prompt has {n} tokens; this server's context is {self.max_seq_len}, "
+                    f"so a prompt may have at most {self.max_seq_len - 1}")
+        if int(msg.input_ids.min()) < 0 or int(msg.input_ids.max()) >= self.vocab_size:
+            return f"token ids must be in [0, {self.vocab_size})"
+        return None
+
+    def send_result(self, replies: list[TokenReply]) -> None:
+        self.aborted_reqs += sum(r.finish_reason == "abort" for r in replies)
+        if replies:
+            self.outbox.put(BatchTokenizerMsg([DetokenizeMsg(*r) for r in replies]))
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.inbox.close()
+        self.outbox.close()
+
+
+def scheduler_worker(config: SchedulerConfig, inbox: str, outbox: str,
+                     ready: Connection | None = None) -> None:
+    """The scheduler process's main: serve until an ExitMsg or SIGTERM."""
+    signal.signal(signal.SIGTERM, _exit)
+    scheduler = ServerScheduler(config, inbox, outbox)
+    if ready is not None:
+        ready.send("scheduler")
+    try:
+        scheduler.run_forever()
+    except SchedulerExit:
+        logger.info("scheduler: exit requested")
+    finally:
+        scheduler.shutdown()
+
+
+def _exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)  # unwinds run_forever: the finally clause shuts the engine down
