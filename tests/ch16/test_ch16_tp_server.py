@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,8 +75,14 @@ def test_a_streamed_chat_and_concurrent_clients(tp2: Server) -> None:
     assert stats["idle"] and stats["integrity"] == "ok", stats
 
 
-def test_a_dead_rank_stops_the_server_and_sigterm_leaves_nothing(model: Path,
-                                                                 tmp_path: Path) -> None:
+def test_sigterm_stops_every_rank(tp2: Server) -> None:
+    start = time.monotonic()
+    assert tp2.stop() == 0
+    assert gone(tp2.pids(), 10 - (time.monotonic() - start))
+    assert not [p for p in tp2.tmp.iterdir() if p.name != "server.log"]  # no ipc folder
+
+
+def test_a_dead_rank_stops_the_server_with_exit_1(model: Path, tmp_path: Path) -> None:
     s = Server(model, tmp_path, "--tp", "2")
     try:
         s.wait_ready()

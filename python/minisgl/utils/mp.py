@@ -40,10 +40,13 @@ class _Queue:
     """One socket, bound (the side that owns the address) or connected. Closed with linger 0:
     messages still queued when a process shuts down are dropped, not waited for."""
 
-    def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool) -> None:
+    def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool,
+                 options: dict[int, int] | None = None) -> None:
         self.addr = addr
         self.socket = ctx.socket(kind)
         self.socket.setsockopt(zmq.LINGER, 0)
+        for option, value in (options or {}).items():  # before bind/connect, or they do not apply
+            self.socket.setsockopt(option, value)
         if bind:
             self.socket.bind(addr)
         else:
@@ -61,8 +64,8 @@ class _Queue:
 
 class _Receiver(_Queue, Generic[T]):
     def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool,
-                 expected: type[T]) -> None:
-        super().__init__(ctx, kind, addr, bind)
+                 expected: type[T], options: dict[int, int] | None = None) -> None:
+        super().__init__(ctx, kind, addr, bind, options)
         self.expected, self.refused = expected, 0
 
     def wait(self, timeout_ms: int | None) -> bool:
@@ -124,9 +127,9 @@ class ZmqPubQueue(_Queue, Generic[T]):
     leave the lockstep. XPUB: it sees each subscription arrive (see wait_subscribers)."""
 
     def __init__(self, addr: str, bind: bool) -> None:
-        super().__init__(zmq.Context.instance(), zmq.XPUB, addr, bind)
-        self.socket.setsockopt(zmq.SNDHWM, 0)
-        self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not just new topics
+        # XPUB_VERBOSE: report every subscription, not only the first to a topic
+        super().__init__(zmq.Context.instance(), zmq.XPUB, addr, bind,
+                         {zmq.SNDHWM: 0, zmq.XPUB_VERBOSE: 1})
 
     def wait_subscribers(self, n: int, timeout_s: float = 60.0) -> None:
         """Block until n subscribers have subscribed: a frame published earlier is lost to
@@ -147,8 +150,8 @@ class ZmqPubQueue(_Queue, Generic[T]):
 
 class ZmqSubQueue(_Receiver[T]):
     def __init__(self, addr: str, bind: bool, expected: type[T]) -> None:
-        super().__init__(zmq.Context.instance(), zmq.SUB, addr, bind, expected)
-        self.socket.setsockopt(zmq.RCVHWM, 0)  # see ZmqPubQueue
+        super().__init__(zmq.Context.instance(), zmq.SUB, addr, bind, expected,
+                         {zmq.RCVHWM: 0})  # see ZmqPubQueue
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")  # every message
 
     def get(self) -> T:
