@@ -21,6 +21,13 @@ def _create_torch(config: ModelConfig) -> BaseAttnBackend:
     return TorchBackend(config)
 
 
+@BACKENDS.register("fi")
+def _create_flashinfer(config: ModelConfig) -> BaseAttnBackend:
+    from .fi import FlashInferBackend
+
+    return FlashInferBackend(config)
+
+
 def resolve_backend_name(name: str, device: torch.device) -> str:
     """`auto` picks the best backend for the device: only `torch` exists so far."""
     return "torch" if name == "auto" else name
