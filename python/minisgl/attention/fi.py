@@ -9,6 +9,7 @@ import torch
 
 from minisgl.core import Batch, get_global_ctx
 from minisgl.models import ModelConfig
+from minisgl.utils.device import create_event
 
 from .base import BaseAttnBackend, BaseAttnMetadata
 
@@ -48,6 +49,10 @@ class FlashInferBackend(BaseAttnBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.num_qo_heads // self.num_kv_heads >= 4)
         self.pin = device.type == "cuda"
+        # plan stages the layout in one pinned host buffer of FlashInfer's and copies it to the
+        # GPU asynchronously; the next plan may refill that buffer only once the copy has run
+        self.plan_copied = create_event(device)
+        self.plan_copied.record()
 
     def prepare_metadata(self, batch: Batch) -> None:
         ctx = get_global_ctx()
@@ -83,6 +88,7 @@ class FlashInferBackend(BaseAttnBackend):
         return wrapper.run(q, cache)
 
     def _plan(self, meta: FIMetadata, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        self.plan_copied.synchronize()
         common = dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                       page_size=1, sm_scale=self.scale, q_data_type=q_dtype,
                       kv_data_type=kv_dtype)
@@ -93,6 +99,7 @@ class FlashInferBackend(BaseAttnBackend):
             self.prefill.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                               meta.last_page_len, head_dim_qk=self.head_dim, causal=True,
                               **common)
+        self.plan_copied.record()
 
 
 def _indptr(lengths: torch.Tensor, pin: bool) -> torch.Tensor:
