@@ -55,3 +55,28 @@ def test_fi_backend_gives_the_torch_backends_tokens_and_plans_once_per_batch(
     assert plans.count("prefill") == stats.prefill_batches and stats.prefill_batches > 1
     assert plans.count("decode") == stats.decode_batches
     assert runs == len(plans) * llm.engine.local_config.num_layers  # plan once, run per layer
+
+
+def test_hybrid_prefills_with_torch_and_decodes_with_fi(fake_flashinfer: Any,
+                                                       make_llm: Callable,
+                                                       model_dir: Callable[[str], Path]) -> None:
+    path, prompts = model_dir("tiny-qwen3"), _prompts(1)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    torch_llm = make_llm(path, attention_backend="torch")
+    ref = torch_llm.generate(prompts, params)
+    torch_llm.shutdown()
+    llm = make_llm(path, attention_backend="torch,fi")
+    assert [o["token_ids"] for o in llm.generate(prompts, params)] == [
+        r["token_ids"] for r in ref]
+    plans = [kind for kind, what in fake_flashinfer.calls if what == "plan"]
+    assert plans == ["decode"] * llm.stats.decode_batches  # no prefill ever reached FlashInfer
+
+
+def test_auto_and_bad_names() -> None:
+    from minisgl.attention import resolve_backend_name
+
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(KeyError, match="unknown attention backend 'fa3'; choose from: fi, torch"):
+        resolve_backend_name("torch,fa3", torch.device("cpu"))
+    with pytest.raises(ValueError, match="PREFILL,DECODE"):
+        resolve_backend_name("fi,fi,fi", torch.device("cpu"))
