@@ -1,5 +1,6 @@
-"""WIP (branch wip-ch17, not for main as is): chapter 17 on the H200, our fi backend with the real
-bf16, Qwen3-0.6B shape with random weights: tokens, logits error, eager decode step time."""
+"""WIP (branch wip-ch17, not for main as is): chapter 17 on the H200, our fi backend with the
+real FlashInfer vs the torch backend, bf16, Qwen3-0.6B shape with random weights: tokens,
+logits error, eager decode step time."""
 import statistics
 import sys
 import time
@@ -13,7 +14,8 @@ from minisgl.core import SamplingParams  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 
 PATH = sys.argv[1]
-print("flashinfer", flashinfer.__version__, "torch", torch.__version__, torch.cuda.get_device_name())
+print("flashinfer", flashinfer.__version__, "torch", torch.__version__,
+      torch.cuda.get_device_name())
 g = torch.Generator().manual_seed(0)
 PROMPTS = [torch.randint(10, 150000, (n,), generator=g).tolist() for n in (37, 120, 300, 511)]
 
@@ -56,7 +58,8 @@ for ps in (1, 4, "1 overlap off"):  # noqa
         errs.append(max(float((a[i] - b[i]).abs().max() / b[i].abs().max()) for i in rows))
     print(f"fi page_size {ps}: {same}/4 requests give the torch backend's 32 greedy tokens; "
           f"max relative logits error over {len(errs)} steps {max(errs):.2e} "
-          f"(median {statistics.median(errs):.2e}, first step {errs[0]:.2e}); first call incl. JIT {first:.1f} s")
+          f"(median {statistics.median(errs):.2e}, first step {errs[0]:.2e}); "
+          f"first call incl. JIT {first:.1f} s")
 
 
 def decode_step_ms(llm, bs, n=64):
