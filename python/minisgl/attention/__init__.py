@@ -31,6 +31,13 @@ def _create_flashinfer(config: ModelConfig) -> BaseAttnBackend:
     return FlashInferBackend(config)
 
 
+@BACKENDS.register("fa")
+def _create_flash_attention(config: ModelConfig) -> BaseAttnBackend:
+    from .fa import FlashAttentionBackend
+
+    return FlashAttentionBackend(config)
+
+
 def resolve_backend_name(name: str, device: torch.device) -> str:
     """`auto`: FlashInfer on a GPU where it is installed, else `torch` (said once, in the log);
     any other name is checked here, so a typo fails before the model loads."""

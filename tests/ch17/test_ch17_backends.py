@@ -76,7 +76,43 @@ def test_auto_and_bad_names() -> None:
     from minisgl.attention import resolve_backend_name
 
     assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
-    with pytest.raises(KeyError, match="unknown attention backend 'fa3'; choose from: fi, torch"):
+    with pytest.raises(KeyError, match="unknown attention backend 'fa3'; choose from: fa, fi, torch"):
         resolve_backend_name("torch,fa3", torch.device("cpu"))
     with pytest.raises(ValueError, match="PREFILL,DECODE"):
         resolve_backend_name("fi,fi,fi", torch.device("cpu"))
+
+
+@pytest.fixture
+def fake_sgl_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.syspath_prepend(str(FAKES))
+    for name in ("sgl_kernel", "sgl_kernel.flash_attn"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    from sgl_kernel import flash_attn
+
+    assert "fakes" in flash_attn.__file__
+    flash_attn.calls.clear()
+    yield flash_attn
+    for name in ("sgl_kernel", "sgl_kernel.flash_attn"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_fa_backend_and_the_fa_fi_pair_give_the_torch_backends_tokens(
+        page_size: int, fake_sgl_kernel: Any, fake_flashinfer: Any, make_llm: Callable,
+        model_dir: Callable[[str], Path]) -> None:
+    path, prompts = model_dir("tiny-llama"), _prompts(2)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    config = dict(page_size=page_size, max_extend_tokens=32)
+    torch_llm = make_llm(path, attention_backend="torch", **config)
+    ref = [r["token_ids"] for r in torch_llm.generate(prompts, params)]
+    torch_llm.shutdown()
+    for name in ("fa", "fa,fi"):  # the pair Hopper GPUs use: FA3 prefill, FlashInfer decode
+        fake_sgl_kernel.calls.clear()
+        llm = make_llm(path, attention_backend=name, **config)
+        assert [o["token_ids"] for o in llm.generate(prompts, params)] == ref, name
+        layers = llm.engine.local_config.num_layers
+        batches = llm.stats.prefill_batches + (llm.stats.decode_batches if name == "fa" else 0)
+        assert len(fake_sgl_kernel.calls) == batches * layers, name
+        assert all(c["causal"] and c["scale"] == llm.engine.local_config.head_dim**-0.5
+                   for c in fake_sgl_kernel.calls)
+        llm.shutdown()
