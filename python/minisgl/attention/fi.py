@@ -55,21 +55,20 @@ class FlashInferBackend(BaseAttnBackend):
         self.plan_copied.record()
 
     def prepare_metadata(self, batch: Batch) -> None:
+        """The indptrs stay on the host (plan reads them there); the slot indices are gathered
+        on the device from one small copy of the lengths, so nothing here waits for the GPU."""
         ctx = get_global_ctx()
-        reqs = batch.padded_reqs
+        reqs, device = batch.padded_reqs, ctx.page_table.device
         lens = torch.tensor([[r.extend_len, r.device_len, r.table_idx] for r in reqs],
-                            dtype=torch.int32)
-        q_lens, kv_lens, rows = lens.unbind(1)
-        qo_indptr = _indptr(q_lens, self.pin)
-        kv_indptr = _indptr(kv_lens, self.pin)
+                            dtype=torch.int32, pin_memory=self.pin)
+        qo_indptr, kv_indptr = _indptr(lens[:, 0], self.pin), _indptr(lens[:, 1], self.pin)
         total = int(kv_indptr[-1])
-        device = ctx.page_table.device
-        # slot of key j of request i: page_table[row_i, j], gathered on the device in one op
-        owner = torch.repeat_interleave(torch.arange(len(reqs)), kv_lens.long(),
+        kv_lens, rows = lens.to(device, non_blocking=True)[:, 1:].long().unbind(1)
+        # key j of request i is at page_table[row_i, j]
+        owner = torch.repeat_interleave(torch.arange(len(reqs), device=device), kv_lens,
                                         output_size=total)
-        col = torch.arange(total) - kv_indptr[:-1].long()[owner]
-        cells = torch.stack([rows.long()[owner], col]).to(device, non_blocking=True)
-        kv_indices = ctx.page_table[cells[0], cells[1]]
+        col = torch.arange(total, device=device) - (torch.cumsum(kv_lens, 0) - kv_lens)[owner]
+        kv_indices = ctx.page_table[rows[owner], col]
         ones = torch.ones(len(reqs), dtype=torch.int32, pin_memory=self.pin)
         batch.attn_metadata = FIMetadata(qo_indptr, kv_indptr, kv_indices, ones,
                                          is_decode=batch.is_decode)
