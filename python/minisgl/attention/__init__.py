@@ -1,7 +1,9 @@
-"""Attention backends by name: `torch` here; GPU backends join in chapter 17 (chapter 5)."""
+"""Attention backends by name: `torch` (chapter 5), `fi` and PREFILL,DECODE pairs (chapter 17)."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from collections.abc import Callable
 
 import torch
@@ -11,6 +13,7 @@ from minisgl.utils.registry import Registry
 
 from .base import BaseAttnBackend, BaseAttnMetadata
 
+logger = logging.getLogger(__name__)
 BACKENDS: Registry[Callable[[ModelConfig], BaseAttnBackend]] = Registry("attention backend")
 
 
@@ -21,13 +24,47 @@ def _create_torch(config: ModelConfig) -> BaseAttnBackend:
     return TorchBackend(config)
 
 
+@BACKENDS.register("fi")
+def _create_flashinfer(config: ModelConfig) -> BaseAttnBackend:
+    from .fi import FlashInferBackend
+
+    return FlashInferBackend(config)
+
+
+@BACKENDS.register("fa")
+def _create_flash_attention(config: ModelConfig) -> BaseAttnBackend:
+    from .fa import FlashAttentionBackend
+
+    return FlashAttentionBackend(config)
+
+
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`auto` picks the best backend for the device: only `torch` exists so far."""
-    return "torch" if name == "auto" else name
+    """`auto`: FlashInfer on a GPU where it is installed, else `torch` (said once, in the log);
+    any other name is checked here, so a typo fails before the model loads."""
+    if name == "auto":
+        if device.type != "cuda":
+            return "torch"
+        if importlib.util.find_spec("flashinfer") is None:
+            logger.warning("attention: flashinfer is not installed, so the torch backend runs "
+                           "(pip install flashinfer-python==0.5.3 for the fast one)")
+            return "torch"
+        return "fi"
+    parts = name.split(",")
+    if len(parts) > 2:
+        raise ValueError(f"--attn {name!r}: one backend, or PREFILL,DECODE (two names)")
+    for part in parts:
+        BACKENDS[part]  # noqa: B018 (raises KeyError naming the choices)
+    return name
 
 
 def create_attention_backend(name: str, config: ModelConfig) -> BaseAttnBackend:
-    return BACKENDS[name](config)
+    """One backend, or a HybridBackend for `PREFILL,DECODE` (chapter 17)."""
+    prefill, _, decode = name.partition(",")
+    if not decode or decode == prefill:
+        return BACKENDS[prefill](config)
+    from .hybrid import HybridBackend
+
+    return HybridBackend(BACKENDS[prefill](config), BACKENDS[decode](config))
 
 
 __all__ = ["BACKENDS", "BaseAttnBackend", "BaseAttnMetadata", "create_attention_backend",

@@ -1,0 +1,118 @@
+"""Chapter 17: our FlashInfer backend against a fake `flashinfer` on the CPU. The fake has
+FlashInfer 0.5.3's signatures and checks every argument we pass (int32 host indptrs, slot
+indices, last page lengths, causal, scale, dtypes, the NHD cache); its attention is plain torch.
+What is checked here is our side of the interface, not FlashInfer's kernels."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from minisgl.core import SamplingParams
+
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.syspath_prepend(str(FAKES))
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    import flashinfer
+
+    assert "fakes" in flashinfer.__file__
+    flashinfer.calls.clear()
+    yield flashinfer
+    sys.modules.pop("flashinfer", None)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, 500, (40,), generator=g).tolist()  # a prefix the radix cache reuses
+    return [shared + torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 1, 30)]
+
+
+@pytest.mark.parametrize("arch,page_size", [("tiny-qwen3", 1), ("tiny-llama", 4)])
+def test_fi_backend_gives_the_torch_backends_tokens_and_plans_once_per_batch(
+        arch: str, page_size: int, fake_flashinfer: Any, make_llm: Callable,
+        model_dir: Callable[[str], Path]) -> None:
+    path, prompts = model_dir(arch), _prompts(0)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    config = dict(page_size=page_size, max_extend_tokens=32)  # long prompts come in chunks
+    torch_llm = make_llm(path, attention_backend="torch", **config)
+    ref = torch_llm.generate(prompts, params)
+    torch_llm.shutdown()  # one engine per process at a time
+    llm = make_llm(path, attention_backend="fi", **config)
+    out = llm.generate(prompts, params)
+    assert [o["token_ids"] for o in out] == [r["token_ids"] for r in ref]
+    plans = [kind for kind, what in fake_flashinfer.calls if what == "plan"]
+    runs = sum(what == "run" for _, what in fake_flashinfer.calls)
+    stats = llm.stats
+    assert plans.count("prefill") == stats.prefill_batches and stats.prefill_batches > 1
+    assert plans.count("decode") == stats.decode_batches
+    assert runs == len(plans) * llm.engine.local_config.num_layers  # plan once, run per layer
+
+
+def test_hybrid_prefills_with_torch_and_decodes_with_fi(fake_flashinfer: Any,
+                                                       make_llm: Callable,
+                                                       model_dir: Callable[[str], Path]) -> None:
+    path, prompts = model_dir("tiny-qwen3"), _prompts(1)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    torch_llm = make_llm(path, attention_backend="torch")
+    ref = torch_llm.generate(prompts, params)
+    torch_llm.shutdown()
+    llm = make_llm(path, attention_backend="torch,fi")
+    assert [o["token_ids"] for o in llm.generate(prompts, params)] == [
+        r["token_ids"] for r in ref]
+    plans = [kind for kind, what in fake_flashinfer.calls if what == "plan"]
+    assert plans == ["decode"] * llm.stats.decode_batches  # no prefill ever reached FlashInfer
+
+
+def test_auto_and_bad_names() -> None:
+    from minisgl.attention import resolve_backend_name
+
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(KeyError, match="unknown attention backend 'fa3'; choose from: fa, fi, torch"):
+        resolve_backend_name("torch,fa3", torch.device("cpu"))
+    with pytest.raises(ValueError, match="PREFILL,DECODE"):
+        resolve_backend_name("fi,fi,fi", torch.device("cpu"))
+
+
+@pytest.fixture
+def fake_sgl_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.syspath_prepend(str(FAKES))
+    for name in ("sgl_kernel", "sgl_kernel.flash_attn"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    from sgl_kernel import flash_attn
+
+    assert "fakes" in flash_attn.__file__
+    flash_attn.calls.clear()
+    yield flash_attn
+    for name in ("sgl_kernel", "sgl_kernel.flash_attn"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_fa_backend_and_the_fa_fi_pair_give_the_torch_backends_tokens(
+        page_size: int, fake_sgl_kernel: Any, fake_flashinfer: Any, make_llm: Callable,
+        model_dir: Callable[[str], Path]) -> None:
+    path, prompts = model_dir("tiny-llama"), _prompts(2)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    config = dict(page_size=page_size, max_extend_tokens=32)
+    torch_llm = make_llm(path, attention_backend="torch", **config)
+    ref = [r["token_ids"] for r in torch_llm.generate(prompts, params)]
+    torch_llm.shutdown()
+    for name in ("fa", "fa,fi"):  # the pair Hopper GPUs use: FA3 prefill, FlashInfer decode
+        fake_sgl_kernel.calls.clear()
+        llm = make_llm(path, attention_backend=name, **config)
+        assert [o["token_ids"] for o in llm.generate(prompts, params)] == ref, name
+        layers = llm.engine.local_config.num_layers
+        batches = llm.stats.prefill_batches + (llm.stats.decode_batches if name == "fa" else 0)
+        assert len(fake_sgl_kernel.calls) == batches * layers, name
+        assert all(c["causal"] and c["scale"] == llm.engine.local_config.head_dim**-0.5
+                   for c in fake_sgl_kernel.calls)
+        llm.shutdown()

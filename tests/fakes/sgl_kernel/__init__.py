@@ -1,0 +1,1 @@
+"""A fake `sgl_kernel` package for CPU tests (chapter 17): see flash_attn.py."""
