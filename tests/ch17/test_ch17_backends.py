@@ -72,11 +72,35 @@ def test_hybrid_prefills_with_torch_and_decodes_with_fi(fake_flashinfer: Any,
     assert plans == ["decode"] * llm.stats.decode_batches  # no prefill ever reached FlashInfer
 
 
-def test_auto_and_bad_names() -> None:
+@pytest.mark.parametrize("capability,installed,expected,level", [
+    (None, {"flashinfer", "sgl_kernel"}, "torch", "INFO"),  # the CPU
+    ((9, 0), {"flashinfer", "sgl_kernel"}, "fa,fi", "INFO"),  # Hopper with both
+    ((9, 0), {"flashinfer"}, "fi", "INFO"),  # Hopper without sgl-kernel
+    ((8, 0), {"flashinfer", "sgl_kernel"}, "fi", "INFO"),  # Ampere: FA3 needs Hopper
+    ((10, 0), {"flashinfer", "sgl_kernel"}, "fi", "INFO"),  # Blackwell: FA3 is not for it
+    ((9, 0), set(), "torch", "WARNING"),  # a GPU without FlashInfer: slow, said loudly
+])
+def test_auto_chooses_by_gpu_generation_and_installed_packages(
+        capability: tuple[int, int] | None, installed: set[str], expected: str, level: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import importlib.util
+
     from minisgl.attention import resolve_backend_name
 
-    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
-    with pytest.raises(KeyError, match="unknown attention backend 'fa3'; choose from: fa, fi, torch"):
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name in installed else None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    device = torch.device("cpu" if capability is None else "cuda")
+    with caplog.at_level("INFO", logger="minisgl.attention"):
+        assert resolve_backend_name("auto", device) == expected
+    [record] = caplog.records  # one line, naming the choice
+    assert record.levelname == level and f"--attn auto -> {expected} (" in record.message
+
+
+def test_bad_names_fail_before_the_model_loads() -> None:
+    from minisgl.attention import resolve_backend_name
+
+    with pytest.raises(KeyError, match="unknown attention backend 'fa3'; choose from: fa, fi"):
         resolve_backend_name("torch,fa3", torch.device("cpu"))
     with pytest.raises(ValueError, match="PREFILL,DECODE"):
         resolve_backend_name("fi,fi,fi", torch.device("cpu"))

@@ -39,22 +39,33 @@ def _create_flash_attention(config: ModelConfig) -> BaseAttnBackend:
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`auto`: FlashInfer on a GPU where it is installed, else `torch` (said once, in the log);
-    any other name is checked here, so a typo fails before the model loads."""
+    """`auto` picks by GPU generation and by what is installed, and says so in one log line:
+    Hopper (sm90) with sgl-kernel and FlashInfer -> `fa,fi`; a GPU with FlashInfer -> `fi`;
+    the CPU, or a GPU without FlashInfer -> `torch`. Any other name is checked here, so a typo
+    fails before the model loads."""
     if name == "auto":
-        if device.type != "cuda":
-            return "torch"
-        if importlib.util.find_spec("flashinfer") is None:
-            logger.warning("attention: flashinfer is not installed, so the torch backend runs "
-                           "(pip install flashinfer-python==0.5.3 for the fast one)")
-            return "torch"
-        return "fi"
+        name, why = _auto(device)
+        slow = device.type == "cuda" and name == "torch"  # a GPU left without its kernels
+        logger.log(logging.WARNING if slow else logging.INFO, "attention: --attn auto -> %s (%s)",
+                   name, why)
+        return name
     parts = name.split(",")
     if len(parts) > 2:
         raise ValueError(f"--attn {name!r}: one backend, or PREFILL,DECODE (two names)")
     for part in parts:
         BACKENDS[part]  # noqa: B018 (raises KeyError naming the choices)
     return name
+
+
+def _auto(device: torch.device) -> tuple[str, str]:
+    if device.type != "cuda":
+        return "torch", f"no GPU kernels on {device.type}"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "torch", "flashinfer is not installed: pip install flashinfer-python==0.5.3"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9 and importlib.util.find_spec("sgl_kernel") is not None:
+        return "fa,fi", "Hopper: FlashAttention 3 prefill, FlashInfer decode"
+    return "fi", f"sm{major}{minor}" + ("" if major != 9 else ", sgl-kernel not installed")
 
 
 def create_attention_backend(name: str, config: ModelConfig) -> BaseAttnBackend:

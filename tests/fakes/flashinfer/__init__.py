@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 calls: list[tuple[str, str]] = []  # ("prefill" | "decode", "plan" | "run"), in order
+layouts: list[dict[str, Any]] = []  # what each plan call was given, in order
 
 
 def _host_int32(name: str, x: torch.Tensor) -> None:
@@ -50,6 +51,7 @@ class _Paged:
                            causal=causal, scale=sm_scale if sm_scale else head_dim**-0.5,
                            dtypes=(q_data_type, kv_data_type or q_data_type))
         calls.append((self.kind, "plan"))
+        layouts.append(dict(self.layout, kind=self.kind))
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
             *args: Any, **kwargs: Any) -> torch.Tensor:
