@@ -5,6 +5,8 @@ What is checked here is our side of the interface, not FlashInfer's kernels."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +16,8 @@ import pytest
 import torch
 
 from minisgl.core import SamplingParams
+
+from reference import hf_greedy
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 
@@ -36,13 +40,16 @@ def _prompts(seed: int) -> list[list[int]]:
     return [shared + torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 1, 30)]
 
 
-@pytest.mark.parametrize("arch,page_size", [("tiny-qwen3", 1), ("tiny-llama", 4)])
+@pytest.mark.parametrize("arch,page_size,cache_type", [
+    ("tiny-qwen3", 1, "radix"), ("tiny-llama", 4, "radix"), ("tiny-qwen2", 1, "naive"),
+    ("tiny-mistral", 4, "naive")])
 def test_fi_backend_gives_the_torch_backends_tokens_and_plans_once_per_batch(
-        arch: str, page_size: int, fake_flashinfer: Any, make_llm: Callable,
+        arch: str, page_size: int, cache_type: str, fake_flashinfer: Any, make_llm: Callable,
         model_dir: Callable[[str], Path]) -> None:
     path, prompts = model_dir(arch), _prompts(0)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    config = dict(page_size=page_size, max_extend_tokens=32)  # long prompts come in chunks
+    config = dict(page_size=page_size, max_extend_tokens=32,  # long prompts come in chunks
+                  cache_type=cache_type)
     torch_llm = make_llm(path, attention_backend="torch", **config)
     ref = torch_llm.generate(prompts, params)
     torch_llm.shutdown()  # one engine per process at a time
@@ -55,6 +62,8 @@ def test_fi_backend_gives_the_torch_backends_tokens_and_plans_once_per_batch(
     assert plans.count("prefill") == stats.prefill_batches and stats.prefill_batches > 1
     assert plans.count("decode") == stats.decode_batches
     assert runs == len(plans) * llm.engine.local_config.num_layers  # plan once, run per layer
+    # and the torch backend's tokens are HF's (the independent reference)
+    assert out[1]["token_ids"] == hf_greedy(path, prompts[1], 10)[0]
 
 
 def test_hybrid_prefills_with_torch_and_decodes_with_fi(fake_flashinfer: Any,
@@ -97,7 +106,7 @@ def test_auto_chooses_by_gpu_generation_and_installed_packages(
     assert record.levelname == level and f"--attn auto -> {expected} (" in record.message
 
 
-def test_bad_names_fail_before_the_model_loads() -> None:
+def test_bad_names_are_refused_with_the_choices() -> None:
     from minisgl.attention import resolve_backend_name
 
     with pytest.raises(KeyError, match="unknown attention backend 'fa3'; choose from: fa, fi"):
@@ -140,3 +149,17 @@ def test_fa_backend_and_the_fa_fi_pair_give_the_torch_backends_tokens(
         assert all(c["causal"] and c["scale"] == llm.engine.local_config.head_dim**-0.5
                    for c in fake_sgl_kernel.calls)
         llm.shutdown()
+
+
+def test_the_shell_with_the_hopper_pair(model_dir: Callable[[str], Path],
+                                        tmp_path: Path) -> None:
+    """`python -m minisgl --shell --attn fa,fi`, both fakes on the path of every process."""
+    env = dict(os.environ, TMPDIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--model", str(model_dir("tiny-qwen3")), "--shell",
+         "--attn", "fa,fi", "--max-seq-len-override", "64"], input="hello\n/exit\n",
+        capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ready, answer = out.stdout.split("\n", 1)
+    assert "is ready" in ready and len(answer.strip()) > 0

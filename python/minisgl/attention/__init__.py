@@ -1,4 +1,5 @@
-"""Attention backends by name: `torch` (chapter 5), `fi` and PREFILL,DECODE pairs (chapter 17)."""
+"""Attention backends by name: `torch` (chapter 5), `fi`, `fa` and PREFILL,DECODE pairs
+(chapter 17)."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def _create_flash_attention(config: ModelConfig) -> BaseAttnBackend:
 def resolve_backend_name(name: str, device: torch.device) -> str:
     """`auto` picks by GPU generation and by what is installed, and says so in one log line:
     Hopper (sm90) with sgl-kernel and FlashInfer -> `fa,fi`; a GPU with FlashInfer -> `fi`;
-    the CPU, or a GPU without FlashInfer -> `torch`. Any other name is checked here, so a typo
-    fails before the model loads."""
+    the CPU, or a GPU without FlashInfer -> `torch`. Any other name is checked here: a typo
+    fails with the list of names (when the engine starts; chapter 18 checks before the weights
+    load)."""
     if name == "auto":
         name, why = _auto(device)
         slow = device.type == "cuda" and name == "torch"  # a GPU left without its kernels
