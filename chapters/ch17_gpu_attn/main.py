@@ -92,8 +92,8 @@ def serve(backend: str, question: str, expected: str) -> None:
         finally:
             code = server.stop()
         print(f"python -m minisgl --attn {backend}: streamed {text!r}; same as offline: "
-              f"{text == expected}; exit code {code}, processes left: "
-              f"{not gone(server.pids(), 10)}")
+              f"{text == expected}; exit code {code}, all {len(server.pids())} processes "
+              f"gone: {gone(server.pids(), 10)}")
 
 
 def show_decode_layout(layout: dict) -> None:
