@@ -1,6 +1,7 @@
-"""GPU checks in one run (chapters 6, 11 and 16): the Engine and the stage-2 LLM on CUDA against
-HF, a tensor-parallel group of one over NCCL, and a speed comparison with HF on a
-Qwen3-0.6B-shaped model.
+"""GPU checks in one run (chapters 6, 11, 16, 17 and 18): the Engine and the stage-2 LLM on CUDA
+against HF (with CUDA graphs on), a tensor-parallel group of one over NCCL, the FlashInfer backend
+against the torch backend, graph replay against eager, decode step times with a profile, and a
+speed comparison with HF on a Qwen3-0.6B-shaped model.
 
     python tools/gpu_check.py stage1 align bf16     # on a machine with CUDA and models/tiny-* made
     python tools/gpu_check.py speed --model /tmp/q06 # a model made by tools/models.py random
@@ -62,7 +63,7 @@ def check_stage1(name: str) -> list[str]:
     """Chapter 6's Engine with hand-filled batches, float32, four requests in one batch."""
     path = ROOT / "models" / name
     engine = Engine(EngineConfig(str(path), dtype=torch.float32, num_page_override=256,
-                                 max_running_req=8, page_size=4))
+                                 max_running_req=8, page_size=4, attention_backend="torch"))
     assert engine.device.type == "cuda", engine.device
     seen = spy_logits(engine)
     ours = HandBatcher(engine).generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
@@ -86,7 +87,10 @@ def shared_prefix_prompts(n: int, prefix_len: int, seed: int) -> list[list[int]]
 
 
 def make_llm(path: Path, overlap: bool, **config) -> LLM:
+    """The torch backend unless said otherwise (FlashInfer has no float32 kernels); CUDA graphs
+    on, as by default (chapter 18)."""
     os.environ["MINISGL_DISABLE_OVERLAP_SCHEDULING"] = "0" if overlap else "1"
+    config.setdefault("attention_backend", "torch")
     llm = LLM(str(path), **config)
     assert llm.device.type == "cuda" and llm.overlap == overlap
     assert isinstance(llm.stream, torch.cuda.Stream)
@@ -200,7 +204,7 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def check_speed(path: Path, n: int, rounds: int, cb: bool) -> list[str]:
+def check_speed(path: Path, n: int, rounds: int, cb: bool, attn: str) -> list[str]:
     """n requests, input and output lengths uniform in 100..512 (seed 0), bfloat16: our
     LLM.generate (overlap on and off) and HF's padded generate, each run `rounds` times in
     turns after a warm-up run of each, medians reported; HF continuous batching once."""
@@ -224,7 +228,8 @@ def check_speed(path: Path, n: int, rounds: int, cb: bool) -> list[str]:
     # one LLM (one Engine per process), overlap switched per run; KV room for every request;
     # no prefix cache, so that every run computes every prompt again, as HF does
     llm = make_llm(path, True, dtype=torch.bfloat16, max_running_req=n, cache_type="naive",
-                   num_page_override=sum(in_lens) + useful + 1024)
+                   num_page_override=sum(in_lens) + useful + 1024, attention_backend=attn)
+    lines.append(f"  ours: --attn {attn}, graphs for batch sizes {llm.engine.graph_runner.sizes}")
     params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in out_lens]
     steps: dict[bool, list[float]] = {True: [], False: []}
 
@@ -302,10 +307,252 @@ def check_speed(path: Path, n: int, rounds: int, cb: bool) -> list[str]:
     return lines
 
 
+def _relative_errors(got: list[list[int]], ref: list[list[int]], logits: list[torch.Tensor],
+                     ref_logits: list[torch.Tensor]) -> list[float]:
+    """Per step, the largest |a - b| / |b| (norms over the vocabulary) over the rows whose tokens
+    so far are the reference's (teacher-forced: the same inputs); stops at a shape change."""
+    errs = []
+    for step, (a, b) in enumerate(zip(logits, ref_logits)):
+        rows = [i for i in range(len(got)) if got[i][:step] == ref[i][:step]]
+        if a.shape != b.shape or not rows:
+            break
+        errs.append(max(float((a[i] - b[i]).norm() / b[i].norm()) for i in rows))
+    return errs
+
+
+def _generate(path: Path, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
+              spy: Callable | None = None, **config) -> tuple[list[list[int]], list, float]:
+    """Tokens, the logits of every step, and the seconds of the first generate (JIT included)."""
+    llm = make_llm(path, config.pop("overlap", True), **config)
+    seen = spy_logits(llm.engine)
+    if spy:
+        spy(llm)
+    out: list = []
+    seconds = timed(lambda: out.extend(llm.generate(prompts, params)))
+    llm.shutdown()
+    return [o["token_ids"] for o in out], seen, seconds
+
+
+def check_fi(path: Path) -> list[str]:
+    """Chapter 17: our fi backend on the real FlashInfer against our torch backend, bfloat16, on
+    the Qwen3-0.6B shape (FlashInfer has no float32 kernels, nor head_dim 16 or 32, so the tiny
+    models cannot run it): greedy tokens and teacher-forced relative logits error, page size 1
+    and 4, overlap on and off, graphs off (the backends alone)."""
+    import flashinfer
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 150000, (n,), generator=g).tolist() for n in (37, 120, 300, 511)]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    common = dict(dtype=torch.bfloat16, num_page_override=8192, max_running_req=16,
+                  cache_type="naive", cuda_graph_max_bs=0)
+    ref, ref_logits, _ = _generate(path, prompts, params, attention_backend="torch", **common)
+    lines = [f"info fi: flashinfer {flashinfer.__version__}, {path.name}, bfloat16, 4 prompts "
+             "(37, 120, 300, 511 tokens), 32 tokens each"]
+    for page_size, overlap in ((1, True), (4, True), (1, False)):
+        got, logits, first = _generate(path, prompts, params, attention_backend="fi",
+                                       page_size=page_size, overlap=overlap, **common)
+        errs = _relative_errors(got, ref, logits, ref_logits)
+        ok = max(errs) <= BF16_TOL
+        lines.append(f"{'ok  ' if ok else 'FAIL'} fi vs torch backend, page size {page_size}, "
+                     f"overlap {'on' if overlap else 'off'}: relative logits error max "
+                     f"{max(errs):.2e} (median {statistics.median(errs):.2e}) over {len(errs)} "
+                     f"teacher-forced steps (limit {BF16_TOL:g}); "
+                     f"{sum(a == b for a, b in zip(got, ref))}/4 requests give all 32 tokens "
+                     f"alike; first generate {first:.1f} s (FlashInfer JIT included)")
+    return lines
+
+
+GRAPH_LENS = (5, 17, 1, 30, 9, 12, 3, 22)  # 8 requests that stop one after another
+
+
+def _graph_workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in GRAPH_LENS]
+    return prompts, [SamplingParams(max_tokens=4 + 2 * i, ignore_eos=True) for i in range(8)]
+
+
+def check_graph(q06: Path | None) -> list[str]:
+    """Chapter 18: real CUDA graph replay against eager. 8 requests stopping one after another
+    make decode batches of every size 8..1; graphs up to 6 replay sizes 1, 2, 4, 6 and pad 3
+    and 5; 7 and 8 run eagerly. Tiny models in float32 (torch backend), and fi on the
+    Qwen3-0.6B shape in bfloat16."""
+    from minisgl.engine.graph import GraphRunner
+
+    replays: list[tuple[int, int]] = []
+    replay = GraphRunner.replay
+
+    def spy(self: GraphRunner, batch) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        replays.append((batch.size, batch.padded_size))
+        return replay(self, batch)
+
+    GraphRunner.replay = spy  # type: ignore[method-assign]
+    want = {(1, 1), (2, 2), (3, 4), (4, 4), (5, 6), (6, 6)}
+    runs = [(ROOT / "models" / name, torch.float32, "torch") for name in MODELS]
+    if q06:
+        runs.append((q06, torch.bfloat16, "fi"))
+    lines = []
+    for path, dtype, attn in runs:
+        vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
+        prompts, params = _graph_workload(vocab)
+        common = dict(dtype=dtype, num_page_override=4096, max_seq_len_override=512,
+                      attention_backend=attn)
+        eager, eager_logits, _ = _generate(path, prompts, params, cuda_graph_max_bs=0, **common)
+        replays.clear()
+        graph, logits, _ = _generate(path, prompts, params, cuda_graph_max_bs=6, **common)
+        # batches shrink as requests stop: rows are compared while both runs are step for step
+        errs = [float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
+                for a, b in zip(logits, eager_logits) if a.shape == b.shape] or [float("nan")]
+        sizes_ok = want <= set(replays)
+        ok = graph == eager and sizes_ok
+        same = sum(a == b for a, b in zip(graph, eager))
+        lines.append(f"{'ok  ' if ok else 'FAIL'} graph {path.name} {str(dtype)[6:]} --attn "
+                     f"{attn}: replay gives eager's tokens for {same}/8 requests; (size, "
+                     f"padded) replayed {sorted(set(replays))}; relative logits error vs eager "
+                     f"max {max(errs):.1e}")
+    GraphRunner.replay = replay  # type: ignore[method-assign]
+    return lines
+
+
+def check_steps(path: Path, rounds: int) -> list[str]:
+    """Decode step time on the Qwen3-0.6B shape, bfloat16, prompts of 128 tokens: eager vs graph
+    and torch vs fi, at batch 1 and 64, HF generate beside. A figure is the median over
+    `rounds` rounds (configurations in turns) of two measurements, each the mean of 64 decode
+    steps: (time of 65 tokens - time of 1 token) / 64. Then a profile of 16 steps at batch 64."""
+    g = torch.Generator().manual_seed(0)
+    prompts = {bs: [torch.randint(10, 150000, (128,), generator=g).tolist() for _ in range(bs)]
+               for bs in (1, 64)}
+    configs = {"torch eager": ("torch", 0), "torch graph": ("torch", 64),
+               "fi eager": ("fi", 0), "fi graph": ("fi", 64)}
+    n = 64
+    times: dict[tuple[str, int], list[float]] = {(c, bs): [] for c in [*configs, "HF"]
+                                                 for bs in prompts}
+
+    def per_step(run: Callable[[int], object]) -> float:
+        one, many = timed(lambda: run(1)), timed(lambda: run(n + 1))
+        return (many - one) / n * 1e3
+
+    hf = hf_model(path, torch.bfloat16)
+    for i in range(rounds + 1):  # round 0 warms up and is not counted
+        for name, (attn, max_bs) in configs.items():
+            llm = make_llm(path, True, dtype=torch.bfloat16, attention_backend=attn,
+                           cuda_graph_max_bs=max_bs, max_running_req=64, cache_type="naive",
+                           num_page_override=64 * 256, max_seq_len_override=256)
+            for bs, ps in prompts.items():
+                for _ in range(2):
+                    ms = per_step(lambda k, llm=llm, ps=ps: llm.generate(
+                        ps, SamplingParams(max_tokens=k, ignore_eos=True)))
+                    if i:
+                        times[(name, bs)].append(ms)
+            llm.shutdown()
+        for bs, ps in prompts.items():
+            x = torch.tensor(ps, device="cuda")
+            for _ in range(2):
+                ms = per_step(lambda k, x=x: hf.generate(
+                    x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k,
+                    do_sample=False))
+                if i:
+                    times[("HF", bs)].append(ms)
+        print(f"    steps round {i} done", flush=True)
+    torch.cuda.empty_cache()
+    lines = [f"info decode step (ms), {path.name}, bfloat16, prompts of 128 tokens; median of "
+             f"{2 * rounds} measurements, each the mean of {n} steps"]
+    lines.append(f"info   {'':<12} {'batch 1':>9} {'batch 64':>9}")
+    hf1 = statistics.median(times[("HF", 1)])
+    for name in [*configs, "HF"]:
+        a, b = (statistics.median(times[(name, bs)]) for bs in (1, 64))
+        lines.append(f"info   {name:<12} {a:9.2f} {b:9.2f}   (HF / this at batch 1: "
+                     f"{hf1 / a:.1f}x)")
+    lines += profile_steps(path, prompts[64])
+    return lines
+
+
+def profile_steps(path: Path, prompts: list[list[int]]) -> list[str]:
+    """torch.profiler over 16 decode steps at batch 64, fi eager and fi graph: GPU time by kernel
+    and the wall time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = []
+    for name, max_bs in (("fi eager", 0), ("fi graph", 64)):
+        llm = make_llm(path, True, dtype=torch.bfloat16, attention_backend="fi",
+                       cuda_graph_max_bs=max_bs, max_running_req=64, cache_type="naive",
+                       num_page_override=64 * 256, max_seq_len_override=256)
+        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm
+        params = SamplingParams(max_tokens=17, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall = timed(lambda: llm.generate(prompts, params))  # noqa: B023
+        llm.shutdown()
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"
+                  or getattr(e, "self_device_time_total", 0) > 0]
+        events.sort(key=lambda e: -e.self_device_time_total)
+        gpu_total = sum(e.self_device_time_total for e in events) / 1e3
+        lines.append(f"info profile {name}, batch 64, 1 prefill + 16 decode steps: wall "
+                     f"{wall * 1e3:.1f} ms (profiler on), GPU busy {gpu_total:.1f} ms")
+        for e in events[:8]:
+            lines.append(f"info   {e.self_device_time_total / 1e3:8.2f} ms  {e.count:6d} calls  "
+                         f"{e.key[:90]}")
+    return lines
+
+
+def check_serve(path: Path) -> list[str]:
+    """`python -m minisgl --attn auto` on this GPU: its log lines on the backend and the graphs,
+    and one streamed chat completion through the openai client; then SIGTERM."""
+    import signal
+    import socket
+    import subprocess
+    import urllib.request
+
+    import openai
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = Path(f"/tmp/serve-{port}.log")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "minisgl", "--model", str(path), "--attn", "auto", "--port",
+           str(port), "--max-seq-len-override", "4096"]
+    start = time.perf_counter()
+    with open(log, "wb") as out:
+        server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    lines = [f"info serve: {' '.join(cmd[1:])}"]
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.perf_counter() - start > 400:
+                raise RuntimeError(f"no server: {log.read_text()[-2000:]}")
+            time.sleep(1)
+        lines.append(f"info serve: ready after {time.perf_counter() - start:.0f} s")
+        lines += [f"info serve log: {line.split(': ', 1)[-1]}"
+                  for line in log.read_text().splitlines()
+                  if "attention:" in line or "graphs" in line and "capturing" not in line]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        t = time.perf_counter()
+        chunks = list(client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "Hello!"}], max_tokens=32,
+            temperature=0, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        # random weights pick ids the small tokenizer has no text for: the text may be empty
+        ok = chunks[-1].choices[0].finish_reason == "length"
+        lines.append(f"{'ok  ' if ok else 'FAIL'} serve: streamed chat completion, "
+                     f"{len(chunks)} chunks in {time.perf_counter() - t:.2f} s, finish_reason "
+                     f"{chunks[-1].choices[0].finish_reason}; text (random weights) {text[:60]!r}")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=60)
+        lines.append(f"{'ok  ' if code == 0 else 'FAIL'} serve: SIGTERM, exit code {code}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checks", nargs="+", choices=["stage1", "align", "bf16", "speed",
-                                                             "tp1"])
+                                                      "tp1", "fi", "graph", "steps", "serve"])
+    parser.add_argument("--attn", default="fi", help="speed: our attention backend")
     parser.add_argument("--model", type=Path, help="a Qwen3-0.6B-shaped model (bf16, speed)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5, help="speed: timed rounds per method")
@@ -328,7 +575,16 @@ def main() -> None:
         elif check == "tp1":
             lines += check_tp1()
         elif check == "speed":
-            lines += check_speed(args.model, args.requests, args.rounds, not args.no_cb)
+            lines += check_speed(args.model, args.requests, args.rounds, not args.no_cb,
+                                 args.attn)
+        elif check == "fi":
+            lines += check_fi(args.model)
+        elif check == "graph":
+            lines += check_graph(args.model)
+        elif check == "steps":
+            lines += check_steps(args.model, args.rounds)
+        elif check == "serve":
+            lines += check_serve(args.model)
         print("\n".join(lines[-1:]), flush=True)
     print("\n".join(lines))
     failed = sum(line.startswith("FAIL") for line in lines)

@@ -137,6 +137,7 @@ class Context:
     page_table: torch.Tensor = field(init=False)  # [rows, max_seq_len]: token slot per position
     kv_cache: BaseKVCachePool = field(init=False)
     attn_backend: BaseAttnBackend = field(init=False)
+    forward_count: int = field(default=0, init=False)  # forward passes begun (chapter 18)
     _batch: Batch | None = field(default=None, init=False)
 
     @property
@@ -151,6 +152,7 @@ class Context:
         if self._batch is not None:
             raise RuntimeError("forward_batch() does not nest")
         self._batch = batch
+        self.forward_count += 1
         try:
             yield
         finally:
@@ -166,6 +168,11 @@ def set_global_ctx(ctx: Context | None) -> None:
     if ctx is not None and _GLOBAL_CTX is not None:
         raise RuntimeError("a global Context is already set: shut the old engine down first")
     _GLOBAL_CTX = ctx
+
+
+def forward_count() -> int:
+    """The installed Context's forward passes so far; 0 without one (layers tested alone)."""
+    return 0 if _GLOBAL_CTX is None else _GLOBAL_CTX.forward_count
 
 
 def get_global_ctx() -> Context:

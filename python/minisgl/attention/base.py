@@ -27,6 +27,10 @@ class BaseAttnBackend(ABC):
         already stored in the pool by AttentionLayer. Returns [T, Hq, D]."""
 
     # CUDA graph hooks (chapter 18); a backend that cannot be captured keeps these defaults.
+    @property
+    def supports_graphs(self) -> bool:
+        return type(self).prepare_for_replay is not BaseAttnBackend.prepare_for_replay
+
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support graph capture")
 

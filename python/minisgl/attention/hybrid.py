@@ -27,6 +27,10 @@ class HybridBackend(BaseAttnBackend):
                 batch: Batch) -> torch.Tensor:
         return self._for(batch).forward(q, k, v, layer_id, batch)
 
+    @property
+    def supports_graphs(self) -> bool:
+        return self.decode.supports_graphs
+
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
         self.decode.init_capture_graph(max_seq_len, bs_list)
 

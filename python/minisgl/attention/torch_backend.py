@@ -1,5 +1,5 @@
 """The PyTorch reference backend `torch`: one batched attention per layer, K/V read through the
-page table (chapter 5)."""
+page table (chapter 5); decode metadata in fixed buffers for graphs (chapter 18)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,33 @@ class TorchBackend(BaseAttnBackend):
         out = out.view(b, hkv, g, q_len, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(b * q_len, num_qo_heads, head_dim)
         return out if meta.out_index is None else out.index_select(0, meta.out_index)
+
+
+    # graph hooks (chapter 18): decode metadata padded to the table's width, in fixed buffers
+    def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
+        ctx = get_global_ctx()
+        device, max_bs = ctx.page_table.device, max(bs_list)
+        self.graph_slots = torch.zeros(max_bs, max_seq_len, dtype=torch.int64, device=device)
+        self.graph_mask = torch.zeros(max_bs, 1, 1, max_seq_len, dtype=ctx.kv_cache.dtype,
+                                      device=device)
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        self.prepare_metadata(batch)
+        self.prepare_for_replay(batch)
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        """Copies the batch's [B, L] metadata into the buffers' first L columns; the columns
+        after L repeat each request's first slot and are masked, as padding is in eager mode.
+        A graph reads all max_seq_len columns in every step: exact, but it costs reads."""
+        meta, bs = batch.attn_metadata, batch.padded_size
+        assert isinstance(meta, TorchMetadata) and meta.q_index is None, "decode batches only"
+        n = meta.kv_slots.shape[1]
+        slots, mask = self.graph_slots[:bs], self.graph_mask[:bs]
+        slots[:, :n].copy_(meta.kv_slots)
+        slots[:, n:].copy_(meta.kv_slots[:, :1])
+        mask[..., :n].copy_(meta.mask)
+        mask[..., n:].fill_(float("-inf"))
+        batch.attn_metadata = TorchMetadata(slots, mask, None, None)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

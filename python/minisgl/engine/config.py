@@ -26,6 +26,7 @@ class EngineConfig:
     seed: int = 42
     tp_info: DistributedInfo = DistributedInfo()  # this rank of the tensor-parallel group
     dist_init: str = ""  # where the ranks meet (tcp://HOST:PORT or file://PATH); chapter 16
+    cuda_graph_max_bs: int | None = None  # None: 256 on a GPU, 0 (no graphs) on the CPU; ch. 18
 
     @cached_property
     def model_config(self) -> ModelConfig:

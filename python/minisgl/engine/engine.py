@@ -1,7 +1,9 @@
-"""The Engine: model, KV pool, page table, backend and sampler; runs one batch (chapter 6)."""
+"""The Engine: model, KV pool, page table, backend and sampler; runs one batch (chapter 6;
+decode replayed from CUDA graphs in chapter 18)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -18,7 +20,10 @@ from minisgl.models import create_model, load_weight
 from minisgl.utils.device import create_event, create_stream, pick_device, set_cpu_threads
 
 from .config import EngineConfig
+from .graph import GraphRunner, graph_batch_sizes
 from .sample import BatchSamplingArgs, Sampler
+
+logger = logging.getLogger(__name__)
 
 
 class ForwardOutput(NamedTuple):
@@ -64,6 +69,7 @@ class Engine:
         self.local_config = model_config = local_config(config.model_config, tp)
         free_before = self._free_memory()
         agree_free_memory(free_before)  # refuses ranks too far apart before any work
+        backend = resolve_backend_name(config.attention_backend, self.device)  # a typo: now
 
         # the model is built on the meta device (no memory), then the weights replace its tensors
         with torch.device("meta"), _default_dtype(self.dtype):
@@ -81,7 +87,6 @@ class Engine:
         self.ctx.page_table = self.page_table = torch.zeros(
             (config.max_running_req + 1, _align_up(self.max_seq_len, 32)), dtype=torch.int32,
             device=self.device)
-        backend = resolve_backend_name(config.attention_backend, self.device)
         self.ctx.attn_backend = self.attn_backend = create_attention_backend(backend,
                                                                              model_config)
         self.sampler = Sampler(self.device, model_config.vocab_size, config.seed)
@@ -89,6 +94,22 @@ class Engine:
         self.dummy_req = Req(torch.tensor([0], dtype=torch.int32), config.max_running_req, 0, 1,
                              -1, SamplingParams())
         self.page_table[self.dummy_req.table_idx].fill_(num_tokens)
+        self.graph_runner = GraphRunner(
+            self.model, self.ctx, self.stream, self._graph_sizes(), config.model_config.vocab_size,
+            self.dtype, self.dummy_req, dummy_slot=num_tokens)
+
+    def _graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture (chapter 18). Default: up to 256 on a GPU; none on the
+        CPU, where an emulated graph checks the contract but saves nothing."""
+        c = self.config
+        max_bs = c.cuda_graph_max_bs
+        if max_bs is None:
+            max_bs = 256 if self.device.type == "cuda" else 0
+        if max_bs > 0 and not self.attn_backend.supports_graphs:
+            logger.warning("graphs off: the %s backend cannot be captured",
+                           c.attention_backend)
+            return []
+        return graph_batch_sizes(max_bs, c.max_running_req)
 
     def _free_memory(self) -> int:
         """Free device memory; on the CPU, the KV budget (the ranks share one memory)."""
@@ -117,9 +138,13 @@ class Engine:
         return num_pages
 
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
-        """One forward pass and one sampled token per request."""
-        with self.ctx.forward_batch(batch):
-            logits = self.model.forward()
+        """One forward pass and one sampled token per request: a graph replay for a decode
+        batch padded to a captured size, else the model run eagerly."""
+        if self.graph_runner.can_use(batch):
+            logits = self.graph_runner.replay(batch)
+        else:
+            with self.ctx.forward_batch(batch):
+                logits = self.model.forward()
         for req in batch.reqs:
             req.complete_one()
         next_tokens = self.sampler.sample(logits[: batch.size], args).to(torch.int32)
@@ -129,6 +154,7 @@ class Engine:
         return ForwardOutput(next_tokens, next_tokens_cpu, copy_done)
 
     def shutdown(self) -> None:
+        self.graph_runner.destroy()  # before the groups its graphs captured are destroyed
         set_global_ctx(None)
         destroy_distributed()
 

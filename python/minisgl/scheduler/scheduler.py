@@ -183,7 +183,7 @@ class Scheduler:
     def _prepare_batch(self, batch: Batch) -> ForwardInput:
         logger.debug("%-7s %s", batch.phase,
                      " ".join(f"{r.uid}+{r.extend_len}" for r in batch.reqs))
-        batch.padded_reqs = batch.reqs  # padding to a captured graph size arrives in chapter 18
+        self.engine.graph_runner.pad(batch)  # dummies up to a captured size (chapter 18)
         self.cache_manager.allocate_paged(batch.reqs)
         pin = pin_memory(self.device)
         load = table_cells([(r.table_idx, r.cached_len, r.extend_len) for r in batch.padded_reqs],

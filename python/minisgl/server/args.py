@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    "this machine; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=1919)
     p.add_argument("--cuda-graph-max-bs", "--graph", type=int, default=None,
-                   help="largest batch replayed from a CUDA graph (used from chapter 18)")
+                   help="largest decode batch replayed from a CUDA graph; 0: no graphs; "
+                   "default 256 on a GPU, 0 on the CPU")
     p.add_argument("--num-tokenizer", "--tokenizer-count", type=int, default=0,
                    help="tokenizer worker processes; 0: the detokenizer also tokenizes")
     p.add_argument("--max-prefill-length", "--max-extend-length", type=int, default=8192,
@@ -79,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         page_size=a.page_size, memory_ratio=a.memory_ratio,
         max_seq_len_override=a.max_seq_len_override, num_page_override=a.num_pages,
         cache_type=a.cache_type, max_extend_tokens=a.max_extend_tokens,
-        tp_info=DistributedInfo(0, a.tp_size))
+        tp_info=DistributedInfo(0, a.tp_size), cuda_graph_max_bs=a.cuda_graph_max_bs)
     return ServerArgs(config, a.host, a.port, a.num_tokenizer, a.shell)
 
 

@@ -106,9 +106,20 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
                  use_cuda_graph: bool = False, use_tensor_cores: bool = False,
+                 paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None,
                  **kwargs: Any) -> None:
         super().__init__(float_workspace_buffer, kv_layout)
         self.use_tensor_cores = use_tensor_cores
+        # graph mode (chapter 18): plan copies the layout into these fixed device buffers, and
+        # run reads it from them, as the captured kernels of the real one do
+        self.buffers = None
+        if use_cuda_graph:
+            buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                       paged_kv_last_page_len_buffer)
+            assert all(b is not None and b.dtype == torch.int32 for b in buffers)
+            self.buffers = buffers
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -120,3 +131,26 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
         assert window_left == -1 and pos_encoding_mode == "NONE"
         self._plan(None, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                    page_size, False, sm_scale, q_data_type, kv_data_type)
+        if self.buffers is not None:
+            indptr_buf, indices_buf, last_buf = self.buffers
+            assert len(indptr) == len(indptr_buf), "a graph wrapper serves one batch size"
+            indptr_buf.copy_(indptr)
+            indices_buf[: len(indices)].copy_(indices)
+            last_buf.copy_(last_page_len)
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+            *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.buffers is not None:  # what the fixed buffers hold now, not what plan saw
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():  # a kernel reads device memory; no host read here
+                indptr_buf, indices_buf, last_buf = self.buffers
+                kv_indptr = indptr_buf.tolist()
+                pages = torch.tensor(kv_indptr[1:]) - torch.tensor(kv_indptr[:-1])
+                assert self.layout is not None
+                self.layout = dict(self.layout, kv_indptr=kv_indptr,
+                                   indices=indices_buf[: kv_indptr[-1]].long(),
+                                   kv_lens=((pages - 1) * self.layout["page_size"]
+                                            + last_buf.cpu()).tolist())
+                return super().run(q, paged_kv_cache, *args, **kwargs)
+        return super().run(q, paged_kv_cache, *args, **kwargs)
