@@ -5,6 +5,8 @@ real CUDA graphs run on the H200 (tools/gpu_check.py graph)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +17,8 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.engine.graph import EmulatedGraph, GraphRunner, graph_batch_sizes
+
+from reference import hf_greedy
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 
@@ -59,13 +63,17 @@ def replays(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return seen
 
 
-@pytest.fixture
-def eager_tokens(make_llm: Callable, model_dir: Callable[[str], Path]) -> list[list[int]]:
+def _eager_tokens(make_llm: Callable, path: Path, **config: Any) -> list[list[int]]:
     prompts, params = _workload(0)
-    llm = make_llm(model_dir("tiny-qwen3"), cuda_graph_max_bs=0, max_seq_len_override=256)
+    llm = make_llm(path, cuda_graph_max_bs=0, max_seq_len_override=256, **config)
     out = [o["token_ids"] for o in llm.generate(prompts, params)]
     llm.shutdown()
     return out
+
+
+@pytest.fixture
+def eager_tokens(make_llm: Callable, model_dir: Callable[[str], Path]) -> list[list[int]]:
+    return _eager_tokens(make_llm, model_dir("tiny-qwen3"))
 
 
 def _graph_tokens(make_llm: Callable, path: Path, max_bs: int = 6,
@@ -78,13 +86,19 @@ def _graph_tokens(make_llm: Callable, path: Path, max_bs: int = 6,
     return out
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("arch,page_size,cache_type", [
+    ("tiny-qwen3", 1, "radix"), ("tiny-llama", 4, "radix"), ("tiny-qwen2", 1, "naive"),
+    ("tiny-mistral", 4, "naive")])
 def test_replay_gives_the_eager_tokens_on_every_size_and_padded_size(
-        page_size: int, eager_tokens: list[list[int]], replays: list[tuple[int, int]],
+        arch: str, page_size: int, cache_type: str, replays: list[tuple[int, int]],
         make_llm: Callable, model_dir: Callable[[str], Path]) -> None:
-    assert _graph_tokens(make_llm, model_dir("tiny-qwen3"), page_size=page_size) == eager_tokens
+    path, config = model_dir(arch), dict(page_size=page_size, cache_type=cache_type)
+    eager = _eager_tokens(make_llm, path, **config)
+    assert _graph_tokens(make_llm, path, **config) == eager
     # sizes 1..6 replayed, 3 and 5 padded to 4 and 6; 7 and 8 (above the largest) ran eagerly
     assert set(replays) == {(1, 1), (2, 2), (3, 4), (4, 4), (5, 6), (6, 6)}
+    prompts, _ = _workload(0)  # and eager is HF (the longest answer: every size decoded it)
+    assert eager[7] == hf_greedy(path, prompts[7], 18)[0]
 
 
 @pytest.fixture
@@ -122,3 +136,26 @@ def test_a_missed_replay_copy_changes_the_output(
         monkeypatch.setattr(GraphRunner, "INPUTS",
                             tuple(n for n in GraphRunner.INPUTS if n != missed))
     assert _graph_tokens(make_llm, model_dir("tiny-qwen3"), max_bs=8) != eager_tokens
+
+
+def test_the_hopper_pair_replays_its_decode_backends_graphs(
+        fake_flashinfer: Any, eager_tokens: list[list[int]], replays: list[tuple[int, int]],
+        make_llm: Callable, model_dir: Callable[[str], Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fa,fi: prefill by the fake FlashAttention (never captured), decode graphs by fi's."""
+    for name in ("sgl_kernel", "sgl_kernel.flash_attn"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    tokens = _graph_tokens(make_llm, model_dir("tiny-qwen3"), attention_backend="fa,fi")
+    assert tokens == eager_tokens and len(replays) > 6
+
+
+def test_the_shell_with_graphs(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """`--shell --cuda-graph-max-bs 2`: the scheduler process logs the graphs it made."""
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--model", str(model_dir("tiny-qwen3")), "--shell",
+         "--cuda-graph-max-bs", "2", "--max-seq-len-override", "64"], input="hello\n/exit\n",
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "emulated 2 graphs (batch sizes [1, 2])" in out.stderr
+    ready, answer = out.stdout.split("\n", 1)
+    assert "is ready" in ready and len(answer.strip()) > 0

@@ -1,5 +1,6 @@
 """The launcher: starts the scheduler and tokenizer processes, serves HTTP (or the shell) once
-every one is ready, and stops them all on the way out, whatever ends it (chapter 15)."""
+every one is ready, and stops them all on the way out, whatever ends it (chapter 15; the
+children log at INFO from chapter 18)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from .args import ServerArgs, parse_args
 from .frontend import FrontendManager
 
 logger = logging.getLogger("minisgl")
+LOG_FORMAT = "%(asctime)s %(processName)s %(name)s: %(message)s"
 
 
 @dataclass
@@ -85,6 +87,9 @@ def _child_main(target: Callable[..., None], kwargs: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    # a spawned child starts with logging unconfigured: its INFO lines (the attention backend
+    # chosen, the graphs captured; chapters 17-18) would be dropped
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     target(**kwargs)
 
 
@@ -159,7 +164,7 @@ async def serve(args: ServerArgs, addr: Addresses, children: list[Child]) -> int
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     signal.signal(signal.SIGTERM, _exit)  # uvicorn takes it over while it serves, then re-raises
     ns = IpcNamespace()
     children: list[Child] = []
