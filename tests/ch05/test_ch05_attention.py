@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -224,8 +225,17 @@ def test_registering_a_name_twice_fails() -> None:
         registry["two"]
 
 
-def test_graph_hooks_are_not_implemented() -> None:
-    backend = create_attention_backend("torch", small_config())
+def test_graph_hooks_are_not_implemented_unless_a_backend_adds_them() -> None:
+    """The base class refuses capture; the torch backend brings its hooks in chapter 18."""
+    class NoGraphs(BaseAttnBackend):
+        def prepare_metadata(self, batch: Any) -> None:
+            pass
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                    batch: Any) -> torch.Tensor:
+            return q
+
+    backend = NoGraphs()
     with global_ctx(1):
         _, _, batch = run_backend([(0, 2)], "prefill", 4, 2, 1, seed=0)
     with pytest.raises(NotImplementedError):
@@ -234,6 +244,8 @@ def test_graph_hooks_are_not_implemented() -> None:
         backend.prepare_for_capture(batch)
     with pytest.raises(NotImplementedError):
         backend.prepare_for_replay(batch)
+    assert not backend.supports_graphs
+    assert create_attention_backend("torch", small_config()).supports_graphs
 
 
 def rope_reference(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
