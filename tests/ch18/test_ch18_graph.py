@@ -81,6 +81,10 @@ def _graph_tokens(make_llm: Callable, path: Path, max_bs: int = 6,
     prompts, params = _workload(0)
     llm = make_llm(path, cuda_graph_max_bs=max_bs, max_seq_len_override=256, **config)
     assert sorted(llm.engine.graph_runner.graphs) == graph_batch_sizes(max_bs, 256)
+    # noise in every slot no step has written yet: the pool is torch.empty, and the allocator
+    # may hand back the eager run's memory with its keys and values still in it. A correct
+    # replay never reads an unwritten slot; one that writes to stale slots must not get lucky.
+    llm.engine.kv_cache._buffer.normal_(generator=torch.Generator().manual_seed(1))
     out = [o["token_ids"] for o in llm.generate(prompts, params)]
     llm.shutdown()
     return out
