@@ -1,22 +1,95 @@
-"""Kernels: plain-PyTorch reference versions that run anywhere (chapter 2; store_cache: 4)."""
+"""Kernels: plain-PyTorch references that run anywhere (chapter 2; store_cache: 4), and our own
+CUDA kernels in their place where they apply (chapter 19).
 
-from .reference import (
-    apply_rope,
-    apply_rope_with,
-    embedding,
-    fused_add_rms_norm,
-    rms_norm,
-    rope_cos_sin,
-    silu_and_mul,
-    store_cache,
-)
+MINISGL_KERNELS chooses: `auto` (the default) runs ours on CUDA tensors when nvcc can build
+them, `torch` always runs the references, `cuda` runs ours everywhere, on the CPU emulator
+for CPU tensors (slow; for checking)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from functools import cache
+
+import torch
+
+from . import cuda, reference
+from .reference import apply_rope, apply_rope_with, rope_cos_sin
+
+logger = logging.getLogger(__name__)
+MODES = ("auto", "torch", "cuda")
+
+
+@cache
+def mode() -> str:
+    chosen = os.environ.get("MINISGL_KERNELS", "auto")
+    if chosen not in MODES:
+        raise ValueError(f"MINISGL_KERNELS={chosen!r}: choose one of {', '.join(MODES)}")
+    return chosen
+
+
+@cache
+def _nvcc_found() -> bool:
+    if shutil.which("nvcc") is None:
+        logger.warning("nvcc not found: using the torch reference kernels instead of ours "
+                       "(install the CUDA toolkit to build them)")
+        return False
+    return True
+
+
+def ours(x: torch.Tensor) -> bool:
+    """Whether our CUDA kernels (or their emulation) compute on x."""
+    if x.dtype not in cuda.DTYPES or mode() == "torch":
+        return False
+    return mode() == "cuda" or (x.is_cuda and _nvcc_found())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return (cuda if ours(x) else reference).rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return (cuda if ours(x) else reference).fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return (cuda if ours(x) else reference).silu_and_mul(x)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, start: int | None = None) -> torch.Tensor:
+    """weight[ids]; or, for a rank holding the rows [start, start + len(weight)) of the
+    vocabulary (chapter 16), weight[ids - start] for its ids and zero rows for the others."""
+    if ours(weight):
+        return cuda.embedding(ids.to(torch.int32), weight, start or 0)
+    if start is None:
+        return reference.embedding(ids, weight)
+    local = ids - start
+    mine = (local >= 0) & (local < len(weight))
+    rows = reference.embedding(torch.where(mine, local, 0), weight)
+    return rows * mine.unsqueeze(-1).to(rows.dtype)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+         cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our rotary kernel, for when ours(q): it looks each token's row of the table up itself."""
+    return cuda.rope(positions, q, k, cos_sin_cache, cos_sin_cache.shape[-1])
+
+
+def store_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor) -> None:
+    (cuda if ours(k) else reference).store_cache(k_cache, v_cache, indices, k, v)
+
 
 __all__ = [
     "apply_rope",
     "apply_rope_with",
     "embedding",
     "fused_add_rms_norm",
+    "ours",
     "rms_norm",
+    "rope",
     "rope_cos_sin",
     "silu_and_mul",
     "store_cache",

@@ -24,10 +24,7 @@ class VocabParallelEmbedding(BaseOP):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if get_tp_info().size == 1:
             return embedding(ids, self.weight)
-        local = ids - self._rows.start
-        mine = (local >= 0) & (local < self._rows.stop - self._rows.start)
-        rows = embedding(torch.where(mine, local, 0), self.weight)
-        return all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
+        return all_reduce(embedding(ids, self.weight, self._rows.start))
 
 
 class ParallelLMHead(BaseOP):

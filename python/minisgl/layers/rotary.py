@@ -1,12 +1,12 @@
 """Rotary position embedding with a precomputed cos/sin table (chapter 2; looked up once per
-forward pass, so that graph replays look it up too, chapter 18)."""
+forward pass, so that graph replays look it up too, chapter 18; our kernel, chapter 19)."""
 
 from __future__ import annotations
 
 import torch
 
 from minisgl.core import forward_count
-from minisgl.kernel import apply_rope_with, rope_cos_sin
+from minisgl.kernel import apply_rope_with, ours, rope, rope_cos_sin
 
 from .base import StateLessOP
 
@@ -32,9 +32,11 @@ class RotaryEmbedding(StateLessOP):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos_sin_cache.device != positions.device:
+            self._cos_sin_cache = self._cos_sin_cache.to(positions.device)
+        if ours(q):  # one kernel, which reads its table rows itself (chapter 19)
+            return rope(positions, q, k, self._cos_sin_cache)
         key = (positions, forward_count(), q.dtype)
         if self._key is None or self._key[0] is not positions or self._key[1:] != key[1:]:
-            if self._cos_sin_cache.device != positions.device:
-                self._cos_sin_cache = self._cos_sin_cache.to(positions.device)
             self._key, self._looked_up = key, rope_cos_sin(positions, self._cos_sin_cache, q.dtype)
         return apply_rope_with(q, k, *self._looked_up)
