@@ -1,7 +1,8 @@
-"""GPU checks in one run (chapters 6, 11, 16, 17 and 18): the Engine and the stage-2 LLM on CUDA
-against HF (with CUDA graphs on), a tensor-parallel group of one over NCCL, the FlashInfer backend
-against the torch backend, graph replay against eager, decode step times with a profile, and a
-speed comparison with HF on a Qwen3-0.6B-shaped model.
+"""GPU checks in one run (chapters 6, 11, 16-19): the Engine and the stage-2 LLM on CUDA against HF
+(with CUDA graphs and our kernels on), a tensor-parallel group of one over NCCL, the FlashInfer
+backend against the torch backend, graph replay against eager, our CUDA kernels against torch's
+ops, decode step times with a profile, and a speed comparison with HF on a Qwen3-0.6B-shaped
+model.
 
     python tools/gpu_check.py stage1 align bf16     # on a machine with CUDA and models/tiny-* made
     python tools/gpu_check.py speed --model /tmp/q06 # a model made by tools/models.py random
@@ -466,13 +467,190 @@ def check_steps(path: Path, rounds: int) -> list[str]:
     return lines
 
 
-def profile_steps(path: Path, prompts: list[list[int]]) -> list[str]:
+def _set_kernels(mode: str) -> None:
+    """MINISGL_KERNELS for the LLMs made next in this process (chapter 19)."""
+    from minisgl import kernel
+
+    os.environ["MINISGL_KERNELS"] = mode
+    kernel.mode.cache_clear()
+
+
+def _kernel_cases(dtype: torch.dtype, t: int) -> dict[str, tuple[Callable, Callable, int]]:
+    """Each of our kernels and the torch ops it replaces, on the Qwen3-0.6B shapes for t tokens:
+    name -> (ours, torch's, bytes the op must move at least)."""
+    from minisgl.kernel import cuda, reference
+
+    hidden, hq, hk, d, inter, vocab = 1024, 16, 8, 128, 3072, 151936
+    size = torch.finfo(dtype).bits // 8
+    g = torch.Generator(device="cuda").manual_seed(t)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device="cuda").to(dtype)
+
+    x, r, w = rand(t, hidden), rand(t, hidden), rand(hidden)
+    qkv, wd = rand(t, (hq + 2 * hk) * d), rand(d)
+    q, k = qkv[:, :hq * d], qkv[:, hq * d:(hq + hk) * d]
+    positions = torch.randint(0, 4096, (t,), generator=g, device="cuda", dtype=torch.int32)
+    angles = torch.outer(torch.arange(4096.0, device="cuda"),
+                         1e6 ** (-torch.arange(0, d, 2, device="cuda") / d))
+    table = torch.cat([angles.cos(), angles.sin()], -1)
+    cos, sin = reference.rope_cos_sin(positions, table, dtype)  # once per forward, not timed
+    gate_up = rand(t, 2 * inter)
+    slots = 16384
+    k_cache, v_cache = rand(slots, hk, d), rand(slots, hk, d)
+    kk, vv = rand(t, hk, d), qkv[:, (hq + hk) * d:].view(t, hk, d)
+    loc = torch.randperm(slots, device="cuda")[:t].to(torch.int32)
+    emb, ids = rand(vocab, hidden), torch.randint(0, vocab, (t,), device="cuda",
+                                                  dtype=torch.int32)
+    qn = q.view(t, hq, d)
+    return {
+        "rms_norm [T,1024]": (lambda: cuda.rms_norm(x, w, 1e-6),
+                              lambda: reference.rms_norm(x, w, 1e-6), 2 * t * hidden * size),
+        "add+rms_norm [T,1024]": (lambda: cuda.fused_add_rms_norm(x, r, w, 1e-6),
+                                  lambda: reference.fused_add_rms_norm(x, r, w, 1e-6),
+                                  4 * t * hidden * size),
+        "q_norm [T,16,128] in qkv": (lambda: cuda.rms_norm(qn, wd, 1e-6),
+                                     lambda: reference.rms_norm(qn, wd, 1e-6),
+                                     2 * t * hq * d * size),
+        "rope q,k [T,24,128]": (lambda: cuda.rope(positions, q, k, table, d),
+                                lambda: reference.apply_rope_with(q, k, cos, sin),
+                                2 * t * (hq + hk) * d * size),
+        "silu_and_mul [T,6144]": (lambda: cuda.silu_and_mul(gate_up),
+                                  lambda: reference.silu_and_mul(gate_up), 3 * t * inter * size),
+        "store_kv [T,8,128]": (lambda: cuda.store_cache(k_cache, v_cache, loc, kk, vv),
+                               lambda: reference.store_cache(k_cache, v_cache, loc, kk, vv),
+                               4 * t * hk * d * size),
+        "embedding [T] of 151936": (lambda: cuda.embedding(ids, emb),
+                                    lambda: reference.embedding(ids, emb),
+                                    2 * t * hidden * size),
+    }
+
+
+def _gpu_time(fn: Callable[[], object], calls: int = 50) -> tuple[float, float]:
+    """Microseconds per call: (GPU time, from a CUDA graph of `calls` calls replayed, so no host
+    work shows; eager time, CUDA events around `calls` back-to-back calls, so the host's
+    per-call work shows when it exceeds the kernel's)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    gpu = start.elapsed_time(end) * 1e3 / calls
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return gpu, start.elapsed_time(end) * 1e3 / calls
+
+
+def check_kernels() -> list[str]:
+    """Chapter 19: our CUDA kernels compiled by nvcc for this GPU. Each against the torch ops it
+    replaces: equal (float32: to rounding; bfloat16: within two roundings, counted), then timed
+    in turns, 21 rounds of 50 calls each, medians, and the bandwidth they reach."""
+    from minisgl.kernel import cuda, reference
+
+    t0 = time.perf_counter()
+    cuda.load(False)
+    sm = "".join(map(str, torch.cuda.get_device_capability()))
+    lines = [f"info kernels: built with nvcc for sm{sm} in {time.perf_counter() - t0:.1f} s"]
+    # bfloat16: both round twice (normed, then times the weight); sums in another order can
+    # flip a rounding, so ours and torch's may be two units in the last place apart
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -6)):
+        for t in (1, 77, 4096):
+            for name, (ours, ref, _) in _kernel_cases(dtype, t).items():
+                if name.startswith("store_kv"):
+                    continue  # it writes the caches: below
+                got, want = ours(), ref()
+                pairs = list(zip(got, want)) if isinstance(got, tuple) else [(got, want)]
+                bad = [float((a.float() - b.float()).abs().max()) for a, b in pairs
+                       if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)]
+                same = sum(int((a == b).sum()) for a, b in pairs) / sum(a.numel() for a, _ in pairs)
+                lines.append(f"{'FAIL' if bad else 'ok  '} kernel {name} T={t} "
+                             f"{str(dtype)[6:]}: {100 * same:.2f}% of elements bit-equal to "
+                             "torch's, all within tolerance"
+                             + (f" NOT: max |d| {max(bad):.2e}" if bad else ""))
+        kc, vc = (torch.randn(16384, 8, 128, device="cuda").to(dtype) for _ in range(2))
+        kc2, vc2 = kc.clone(), vc.clone()
+        loc = torch.randperm(16384, device="cuda")[:333]  # int64 slots this time
+        k, v = (torch.randn(333, 8, 128, device="cuda").to(dtype) for _ in range(2))
+        cuda.store_cache(kc, vc, loc, k, v)
+        reference.store_cache(kc2, vc2, loc, k, v)
+        ok = torch.equal(kc, kc2) and torch.equal(vc, vc2)
+        lines.append(f"{'ok  ' if ok else 'FAIL'} kernel store_kv T=333 {str(dtype)[6:]}, int64 "
+                     "slots: the caches bit-equal to torch's index_put")
+    lines.append("info kernel times, bfloat16, microseconds per call, ours and torch's in turns, "
+                 "medians of 21 rounds of 50 calls: GPU time (the calls in a CUDA graph) with "
+                 "GB/s = bytes the op must move / GPU time (H200: 4800 GB/s on paper), and eager "
+                 "time (back-to-back launches: the host's cost per call)")
+    lines.append(f"info   {'':<26} {'T':>5} {'ours':>7} {'torch':>7} {'ratio':>6} "
+                 f"{'GB/s':>5} {'GB/s':>5} {'eager':>6} {'eager':>6}")
+    for t in (1, 64, 4096):
+        for name, (ours, ref, nbytes) in _kernel_cases(torch.bfloat16, t).items():
+            a, b = [], []
+            for _ in range(21):
+                a.append(_gpu_time(ours))
+                b.append(_gpu_time(ref))
+            (ga, ea), (gb, eb) = ([statistics.median(x) for x in zip(*m)] for m in (a, b))
+            lines.append(f"info   {name:<26} {t:>5} {ga:7.2f} {gb:7.2f} {gb / ga:5.2f}x "
+                         f"{nbytes / ga / 1e3:5.0f} {nbytes / gb / 1e3:5.0f} {ea:6.1f} {eb:6.1f}")
+        torch.cuda.empty_cache()
+    return lines
+
+
+def check_kernel_steps(path: Path, rounds: int) -> list[str]:
+    """Chapter 19: the decode step with our kernels against torch's ops (MINISGL_KERNELS=torch),
+    fi backend, eager and graph, batch 1 and 64; measured as in check_steps. Then the profile of
+    fi graph with our kernels."""
+    g = torch.Generator().manual_seed(0)
+    prompts = {bs: [torch.randint(10, 150000, (128,), generator=g).tolist() for _ in range(bs)]
+               for bs in (1, 64)}
+    configs = {"fi eager, torch ops": ("torch", 0), "fi eager, ours": ("auto", 0),
+               "fi graph, torch ops": ("torch", 64), "fi graph, ours": ("auto", 64)}
+    n = 64
+    times: dict[tuple[str, int], list[float]] = {(c, bs): [] for c in configs for bs in prompts}
+
+    def per_step(run: Callable[[int], object]) -> float:
+        one, many = timed(lambda: run(1)), timed(lambda: run(n + 1))
+        return (many - one) / n * 1e3
+
+    for i in range(rounds + 1):  # round 0 warms up and is not counted
+        for name, (mode, max_bs) in configs.items():
+            _set_kernels(mode)
+            llm = make_llm(path, True, dtype=torch.bfloat16, attention_backend="fi",
+                           cuda_graph_max_bs=max_bs, max_running_req=64, cache_type="naive",
+                           num_page_override=64 * 256, max_seq_len_override=256)
+            for bs, ps in prompts.items():
+                for _ in range(2):
+                    ms = per_step(lambda k, llm=llm, ps=ps: llm.generate(
+                        ps, SamplingParams(max_tokens=k, ignore_eos=True)))
+                    if i:
+                        times[(name, bs)].append(ms)
+            llm.shutdown()
+        print(f"    kernel steps round {i} done", flush=True)
+    _set_kernels("auto")
+    lines = [f"info decode step (ms), {path.name}, bfloat16, prompts of 128 tokens, --attn fi; "
+             f"median of {2 * rounds} measurements, each the mean of {n} steps"]
+    lines.append(f"info   {'':<20} {'batch 1':>9} {'batch 64':>9}")
+    for name in configs:
+        a, b = (statistics.median(times[(name, bs)]) for bs in (1, 64))
+        lines.append(f"info   {name:<20} {a:9.2f} {b:9.2f}")
+    lines += profile_steps(path, prompts[64], graph_only=True)
+    return lines
+
+
+def profile_steps(path: Path, prompts: list[list[int]], graph_only: bool = False) -> list[str]:
     """torch.profiler over 16 decode steps at batch 64, fi eager and fi graph: GPU time by kernel
     and the wall time per step."""
     from torch.profiler import ProfilerActivity, profile
 
     lines = []
-    for name, max_bs in (("fi eager", 0), ("fi graph", 64)):
+    for name, max_bs in (("fi eager", 0), ("fi graph", 64))[graph_only:]:
         llm = make_llm(path, True, dtype=torch.bfloat16, attention_backend="fi",
                        cuda_graph_max_bs=max_bs, max_running_req=64, cache_type="naive",
                        num_page_override=64 * 256, max_seq_len_override=256)
@@ -552,7 +730,8 @@ def check_serve(path: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checks", nargs="+", choices=["stage1", "align", "bf16", "speed",
-                                                      "tp1", "fi", "graph", "steps", "serve"])
+                                                      "tp1", "fi", "graph", "steps", "serve",
+                                                      "kernels", "ksteps"])
     parser.add_argument("--attn", default="fi", help="speed: our attention backend")
     parser.add_argument("--model", type=Path, help="a Qwen3-0.6B-shaped model (bf16, speed)")
     parser.add_argument("--requests", type=int, default=64)
@@ -586,6 +765,10 @@ def main() -> None:
             lines += check_steps(args.model, args.rounds)
         elif check == "serve":
             lines += check_serve(args.model)
+        elif check == "kernels":
+            lines += check_kernels()
+        elif check == "ksteps":
+            lines += check_kernel_steps(args.model, args.rounds)
         print("\n".join(lines[-1:]), flush=True)
     print("\n".join(lines))
     failed = sum(line.startswith("FAIL") for line in lines)

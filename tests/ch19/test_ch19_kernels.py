@@ -206,8 +206,8 @@ def emulated_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_the_engine_on_emulated_kernels_gives_hf_tokens(
         emulated_kernels: None, make_llm: Callable, model_dir: Callable[[str], Path],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """tiny-qwen3 (q/k norms, rotary, SwiGLU, paged KV) with every kernel ours: HF's tokens and
-    logits, and each of our kernels was called."""
+    """tiny-qwen3 (q/k norms, rotary, SwiGLU, paged KV) with our kernels: HF's tokens and
+    logits, and each of them was called."""
     path = model_dir("tiny-qwen3")
     calls: set[str] = set()
     call = cuda._call
@@ -220,4 +220,5 @@ def test_the_engine_on_emulated_kernels_gives_hf_tokens(
     prompt = [5, 80, 200, 31, 7, 99, 13]
     out = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))
     assert_aligned(out[0]["token_ids"], seen, *hf_greedy(path, prompt, 16))
-    assert calls == {"store_kv", "embedding", "rms_norm", "rope", "silu_and_mul"}
+    # the embedding of the whole table stays torch's (one gather; ours did not pay on the H200)
+    assert calls == {"store_kv", "rms_norm", "rope", "silu_and_mul"}

@@ -26,7 +26,9 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def build_command(emulate: bool, src: Path, out: Path) -> list[str]:
+def build_command(emulate: bool, src: Path, out: Path, arch: str | None = None) -> list[str]:
+    """The compiler's command line: g++ for the emulator, or nvcc for `arch` (sm_90 and such;
+    by default this machine's GPU)."""
     if emulate:
         compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
         if compiler is None:
@@ -38,10 +40,10 @@ def build_command(emulate: bool, src: Path, out: Path) -> list[str]:
     if nvcc is None:
         raise RuntimeError("our CUDA kernels are compiled on first use and need nvcc (the CUDA "
                            "toolkit) on PATH: install it, or set MINISGL_KERNELS=torch")
-    major, minor = torch.cuda.get_device_capability()
+    arch = arch or "sm_{}{}".format(*torch.cuda.get_device_capability())
     # no fused multiply-add: the products round as torch's separate ops round them
     return [nvcc, "-std=c++17", "-O3", "-fmad=false", "-shared", "-Xcompiler", "-fPIC",
-            f"-arch=sm_{major}{minor}", str(src), "-o", str(out)]
+            f"-arch={arch}", str(src), "-o", str(out)]
 
 
 def build(emulate: bool, csrc: Path = CSRC) -> Path:
