@@ -1,7 +1,7 @@
 """第 19 章的 main：自定义 kernel。同一份 csrc/kernels.cu，先用 nvcc 编成 H100/H200 的 GPU 版
 （这台机器没有 GPU 也能编），再用 g++ 编成 CPU 模拟器版，在 CPU 上真的跑：每个 kernel 和 torch
 的算子比一遍；删掉 block 归约里的 __syncthreads，模拟器每次都给出错答案；最后 SmolLM2 的每一层
-都走我们的 kernel（模拟器上），回答和 torch 算子逐 token 相同。"""
+都走我们的 kernel（模拟器上），回答和 torch 算子逐 token 相同；服务进程也用它们答同一个问题。"""
 
 import os
 import shutil
@@ -74,11 +74,11 @@ def missing_barrier(tmp: Path) -> None:
     finally:
         cuda.load = load  # type: ignore[assignment]
     print(f"without __syncthreads: max |diff| {float((bad - good).abs().max()):.2f} on 3 rows of "
-          f"1024; run again, the same wrong answer: {torch.equal(bad, again)}")
+          f"1024; run again, wrong again: {not torch.allclose(again, good)}")
 
 
 def generate(prompt: list[int], mode: str) -> tuple[list[int], Counter]:
-    """8 greedy tokens with MINISGL_KERNELS=mode, and how often each of our kernels ran."""
+    """12 greedy tokens with MINISGL_KERNELS=mode, and how often each of our kernels ran."""
     os.environ["MINISGL_KERNELS"] = mode
     kernel.mode.cache_clear()
     calls: Counter = Counter()
@@ -86,11 +86,32 @@ def generate(prompt: list[int], mode: str) -> tuple[list[int], Counter]:
     cuda._call = lambda t, name, *a: calls.update([name]) or call(t, name, *a)  # type: ignore
     llm = LLM(str(MODEL), dtype=torch.float32, num_page_override=256, max_seq_len_override=128)
     try:
-        out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
     finally:
         llm.shutdown()
         cuda._call = call  # type: ignore[assignment]
     return out[0]["token_ids"], calls
+
+
+def serve(question: str) -> str:
+    """The server, its scheduler on our kernels (emulated): one streamed chat answer."""
+    sys.path.insert(0, str(Path("tests").resolve()))
+    from serving import Server, gone  # the server harness of the tests
+
+    os.environ["MINISGL_KERNELS"] = "cuda"  # the server's processes inherit it
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(MODEL, Path(tmp))
+        try:
+            server.wait_ready()
+            chunks = server.client().chat.completions.create(
+                model="any", messages=[{"role": "user", "content": question}], temperature=0,
+                max_tokens=12, stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finally:
+            code = server.stop()
+        print(f"MINISGL_KERNELS=cuda python -m minisgl: exit code {code}, all processes gone: "
+              f"{gone(server.pids(), 10)}")
+    return text
 
 
 def main() -> None:
@@ -104,12 +125,19 @@ def main() -> None:
         compare_with_torch()
         missing_barrier(Path(tmp))
         tokenizer = AutoTokenizer.from_pretrained(MODEL)
-        prompt = tokenizer.encode("The capital of France is")
+        question = "What is the capital of France?"
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                               tokenize=True, add_generation_prompt=True,
+                                               return_dict=False)
         ours, calls = generate(prompt, "cuda")
         torchs, _ = generate(prompt, "torch")
-        print(f"SmolLM2, 8 tokens: ours (emulated) {tokenizer.decode(ours)!r}; torch's ops "
+        end = torchs.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in torchs else None
+        answer = tokenizer.decode(torchs[:end], skip_special_tokens=True)  # the server stops there
+        print(f"SmolLM2, 12 tokens: ours (emulated) {tokenizer.decode(ours)!r}; torch's ops "
               f"{tokenizer.decode(torchs)!r}; same tokens: {ours == torchs}")
         print("  calls:", ", ".join(f"{name} {n}" for name, n in sorted(calls.items())))
+        streamed = serve(question)
+        print(f"  streamed {streamed!r}; the offline answer on torch's ops: {streamed == answer}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,8 @@ def test_nvcc_compiles_the_same_source(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 def test_store_kv(dtype: torch.dtype, index_dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     slots, heads, dim, n = 64, 2, 24, 37  # 37 tokens: not a multiple of the 4 warps a block has
@@ -73,7 +74,7 @@ def test_store_kv(dtype: torch.dtype, index_dtype: torch.dtype) -> None:
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("start,rows", [(0, 50), (50, 50), (37, 13)])
 def test_embedding_of_a_vocabulary_range(dtype: torch.dtype, start: int, rows: int) -> None:
     g = torch.Generator().manual_seed(1)
@@ -94,7 +95,7 @@ def _rms_norm64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("cols", [64, 200, 1536])  # 1536: 384 threads, more than a warp's sum
 def test_rms_norm(dtype: torch.dtype, cols: int) -> None:
     g = torch.Generator().manual_seed(2)
@@ -102,7 +103,7 @@ def test_rms_norm(dtype: torch.dtype, cols: int) -> None:
     _close(emulated(lambda: cuda.rms_norm(x, w, 1e-6)), _rms_norm64(x, w, 1e-6))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_rms_norm_of_heads_inside_the_merged_qkv(dtype: torch.dtype) -> None:
     """Qwen3's q_norm: each [D] head of q, a strided [T, H, D] view of qkv, normalised."""
     g = torch.Generator().manual_seed(3)
@@ -114,7 +115,7 @@ def test_rms_norm_of_heads_inside_the_merged_qkv(dtype: torch.dtype) -> None:
     _close(emulated(lambda: cuda.rms_norm(q, w, 1e-6)), _rms_norm64(q, w, 1e-6))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(4)
     x, r = (torch.randn(7, 96, generator=g).to(dtype) for _ in range(2))
@@ -125,7 +126,7 @@ def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
     _close(normed, _rms_norm64(want_total, w, 1e-6))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_rope(dtype: torch.dtype) -> None:
     """Against the rotation written out with angles in float64: pairs (j, j + D/2) of each head
     of q and k, at positions that include 0 and the table's last row."""
@@ -150,7 +151,7 @@ def test_rope(dtype: torch.dtype) -> None:
         assert torch.allclose(got.double().view_as(want), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(6)
     x = torch.randn(5, 2 * 300, generator=g).to(dtype) * 4  # 1500 outputs: more than one block
@@ -203,16 +204,35 @@ def emulated_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     kernel.mode.cache_clear()
 
 
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The fake flashinfer and sgl_kernel of chapter 17 on the import path."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "fakes"))
+    names = ("flashinfer", "sgl_kernel", "sgl_kernel.flash_attn")
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("arch,cache_type,attn", [
+    ("tiny-qwen3", "radix", "torch"), ("tiny-llama", "naive", "torch"),
+    ("tiny-qwen2", "radix", "torch"), ("tiny-mistral", "radix", "torch"),
+    ("tiny-qwen3", "radix", "fa,fi")])  # the backends' fakes read what our kernels wrote
 def test_the_engine_on_emulated_kernels_gives_hf_tokens(
-        emulated_kernels: None, make_llm: Callable, model_dir: Callable[[str], Path],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """tiny-qwen3 (q/k norms, rotary, SwiGLU, paged KV) with our kernels: HF's tokens and
-    logits, and each of them was called."""
-    path = model_dir("tiny-qwen3")
+        arch: str, cache_type: str, attn: str, emulated_kernels: None, make_llm: Callable,
+        model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch,
+        request: pytest.FixtureRequest) -> None:
+    """Every architecture with our kernels (q/k norms, rotary, SwiGLU, paged KV): HF's tokens
+    and logits at every step, and each kernel was called."""
+    if attn != "torch":
+        request.getfixturevalue("fakes")
+    path = model_dir(arch)
     calls: set[str] = set()
     call = cuda._call
     monkeypatch.setattr(cuda, "_call", lambda t, name, *a: calls.add(name) or call(t, name, *a))
-    llm = make_llm(path)
+    llm = make_llm(path, cache_type=cache_type, attention_backend=attn)
     seen: list[torch.Tensor] = []
     sample = llm.engine.sampler.sample
     llm.engine.sampler.sample = lambda logits, args: seen.append(logits[0].clone()) or sample(

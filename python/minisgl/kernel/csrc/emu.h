@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <vector>
 
 #define __global__
@@ -50,6 +49,8 @@ inline thread_local ucontext_t scheduler;
 inline thread_local Fiber* running = nullptr;
 inline thread_local const std::function<void()>* body = nullptr;
 inline thread_local const char* error = nullptr;  // set when a launch cannot be emulated
+inline thread_local uint64_t boards[2][1024];      // what warp shuffles exchange
+inline thread_local unsigned shuffles[1024];       // per CUDA thread: shuffles done in this block
 
 inline void fiber_main() {
   (*body)();
@@ -67,11 +68,13 @@ inline unsigned thread_rank() {
 inline bool run_block(dim3 block, const std::function<void()>& kernel) {
   const unsigned n = block.x * block.y * block.z;
   std::vector<Fiber> fibers(n);
-  std::unique_ptr<char[]> stacks(new char[n * kStackBytes]);
+  static thread_local std::vector<char> stacks;  // kept between blocks and launches
+  if (stacks.size() < n * kStackBytes) stacks.resize(n * kStackBytes);
   body = &kernel;
+  std::memset(shuffles, 0, sizeof(shuffles));
   for (unsigned i = 0; i < n; ++i) {
     getcontext(&fibers[i].context);
-    fibers[i].context.uc_stack.ss_sp = stacks.get() + i * kStackBytes;
+    fibers[i].context.uc_stack.ss_sp = stacks.data() + i * kStackBytes;
     fibers[i].context.uc_stack.ss_size = kStackBytes;
     fibers[i].context.uc_link = &scheduler;
     makecontext(&fibers[i].context, fiber_main, 0);
@@ -112,17 +115,18 @@ bool launch(dim3 grid, dim3 block, Kernel kernel, Args... args) {
 
 inline void __syncthreads() { emu::barrier(); }
 
-// every lane of a warp swaps values with lane ^ mask: written to a block-wide board, read back
+// every lane of a warp swaps values with lane ^ mask, through a block-wide board: write, wait
+// for all, read. Two boards taken in turns make one barrier enough: before anyone writes a board
+// again, everyone has passed the barrier of the shuffle in between, so has read it.
 template <typename T>
 T __shfl_xor_sync(unsigned, T value, int lane_mask) {
   static_assert(sizeof(T) <= 8, "the emulated shuffle moves at most 8 bytes");
-  static uint64_t board[1024];
   const unsigned me = emu::thread_rank(), other = (me & ~31u) | ((me & 31u) ^ unsigned(lane_mask));
+  uint64_t* board = emu::boards[emu::shuffles[me]++ % 2];
   std::memcpy(&board[me], &value, sizeof(T));
   emu::barrier();
   T got;
   std::memcpy(&got, &board[other], sizeof(T));
-  emu::barrier();  // nobody writes the board again before everyone has read it
   return got;
 }
 
