@@ -503,6 +503,14 @@ def _kernel_cases(dtype: torch.dtype, t: int) -> dict[str, tuple[Callable, Calla
     emb, ids = rand(vocab, hidden), torch.randint(0, vocab, (t,), device="cuda",
                                                   dtype=torch.int32)
     qn = q.view(t, hq, d)
+    half = emb[vocab // 2:].contiguous()  # rank 1 of 2 (chapter 16): rows [vocab / 2, vocab)
+
+    def masked() -> torch.Tensor:  # torch's ops for a rank's range, as kernel.embedding has them
+        local = ids - vocab // 2
+        mine = (local >= 0) & (local < len(half))
+        rows = reference.embedding(torch.where(mine, local, 0), half)
+        return rows * mine.unsqueeze(-1).to(rows.dtype)
+
     return {
         "rms_norm [T,1024]": (lambda: cuda.rms_norm(x, w, 1e-6),
                               lambda: reference.rms_norm(x, w, 1e-6), 2 * t * hidden * size),
@@ -523,6 +531,8 @@ def _kernel_cases(dtype: torch.dtype, t: int) -> dict[str, tuple[Callable, Calla
         "embedding [T] of 151936": (lambda: cuda.embedding(ids, emb),
                                     lambda: reference.embedding(ids, emb),
                                     2 * t * hidden * size),
+        "embedding, half the vocab": (lambda: cuda.embedding(ids, half, vocab // 2), masked,
+                                      2 * t * hidden * size),
     }
 
 
