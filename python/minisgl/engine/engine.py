@@ -75,6 +75,8 @@ class Engine:
         self.moe_backend: BaseMoeBackend | None = None
         if model_config.num_experts:  # before the weights: a missing Triton is said at once
             self.ctx.moe_backend = self.moe_backend = create_moe_backend(moe_name, self.device)
+            logger.info("MoE: %d experts, top %d, the %s backend", model_config.num_experts,
+                        model_config.num_experts_per_tok, moe_name)
 
         # the model is built on the meta device (no memory), then the weights replace its tensors
         with torch.device("meta"), _default_dtype(self.dtype):
