@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 def _expert_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, block_expert_ptr,
                         num_padded_ptr, N, K, num_pairs, stride_am, stride_be, stride_bn,
                         stride_cm, A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[p, n0:n0+BN] = A[p // A_ROW_DIV] @ B[e].T for the BLOCK_M pairs p of row block m,
     all of expert e = block_expert[m]; optionally times the pair's routing weight."""
     block_m = tl.program_id(0)
@@ -40,6 +40,8 @@ def _expert_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ids_ptr, block_e
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter's workaround, see expert_gemm; compiled out on a GPU
+            a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -70,5 +72,10 @@ def expert_gemm(a: torch.Tensor, b: torch.Tensor, align: Alignment, num_pairs: i
         c.stride(0), A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None,
         # float32 in, float32 exactly (a GPU would otherwise round the inputs to tf32)
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        # Triton 3.9's interpreter gets tl.dot of bfloat16 tiles wrong (values near 1e10 for
+        # unit inputs): there the tiles are widened to float32 first, the same products a GPU's
+        # bf16 x bf16 -> fp32 dot forms. (Its float32 -> bfloat16 casts also round toward zero,
+        # not to nearest: interpreted bfloat16 results are a little further off than a GPU's.)
+        UPCAST=INTERPRETED and a.dtype != torch.float32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return c
