@@ -220,6 +220,45 @@ def test_compiled_triton_on_the_cpu_is_refused_with_the_way_out(
     assert "--moe-backend torch" in str(e.value)
 
 
+@needs_triton
+def test_the_kernel_compiles_for_hopper() -> None:
+    """The interpreter accepts code the compiler refuses (tile shapes, dtypes): so the kernel is
+    also compiled, in a process without TRITON_INTERPRET, to a Hopper (sm90) binary by Triton's
+    own ptxas, for the three configurations the backend launches. No GPU is needed to compile;
+    running the binary is the GPU test's and tools/gpu_check.py moe's."""
+    code = textwrap.dedent("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from minisgl.kernel import fused_moe
+
+        kernel = fused_moe._expert_gemm_kernel
+        assert not fused_moe.INTERPRETED
+        runtime = {"a_ptr": "*D", "b_ptr": "*D", "c_ptr": "*D", "weight_ptr": "*fp32",
+                   "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
+        for dtype, bm, bn, bk, div, mul in (("bf16", 16, 64, 64, 8, False),
+                                            ("bf16", 64, 64, 32, 1, True),
+                                            ("fp32", 64, 64, 32, 2, True)):
+            const = {"A_ROW_DIV": div, "MUL_WEIGHT": mul, "UPCAST": False, "BLOCK_M": bm,
+                     "BLOCK_N": bn, "BLOCK_K": bk,
+                     "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+            sig = {n: "constexpr" if n in const else runtime.get(n, "i32").replace("D", dtype)
+                   for n in kernel.arg_names}
+            src = ASTSource(fn=kernel, signature=sig, constexprs={
+                (kernel.arg_names.index(n),): v for n, v in const.items()})
+            out = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+            print(dtype, bm, len(out.asm["cubin"]), "wgmma" in out.asm["ptx"])
+        """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert [r[:2] for r in rows] == [["bf16", "16"], ["bf16", "64"], ["fp32", "64"]]
+    assert all(int(r[2]) > 0 for r in rows)  # a cubin for each
+    assert rows[1][3] == "True"  # bf16 in 64-row tiles: Hopper's warpgroup MMA (wgmma)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @needs_triton
