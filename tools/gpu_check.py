@@ -1,11 +1,14 @@
-"""GPU checks in one run (chapters 6, 11, 16-19): the Engine and the stage-2 LLM on CUDA against HF
+"""GPU checks in one run (chapters 6, 11, 16-20): the Engine and the stage-2 LLM on CUDA against HF
 (with CUDA graphs and our kernels on), a tensor-parallel group of one over NCCL, the FlashInfer
 backend against the torch backend, graph replay against eager, our CUDA kernels against torch's
-ops, decode step times with a profile, and a speed comparison with HF on a Qwen3-0.6B-shaped
-model.
+ops, decode step times with a profile, a speed comparison with HF on a Qwen3-0.6B-shaped model,
+and the Triton MoE against the torch MoE (one Qwen3-30B-A3B layer timed, and a few of its layers
+generating end to end).
 
     python tools/gpu_check.py stage1 align bf16     # on a machine with CUDA and models/tiny-* made
     python tools/gpu_check.py speed --model /tmp/q06 # a model made by tools/models.py random
+    python tools/gpu_check.py moe --moe-model /tmp/moe  # made here if missing (qwen3-moe preset)
+    python tools/gpu_check.py moe --device cpu       # the same check, tiny, Triton interpreted
 
 Prints one line per check and a summary; exits 1 if any check fails. CI has no GPU and never
 runs this; the book records its output with the machine and date.
@@ -737,17 +740,152 @@ def check_serve(path: Path) -> list[str]:
     return lines
 
 
+MOE_SHAPE = dict(hidden=2048, experts=128, top_k=8, inter=768)  # one Qwen3-30B-A3B layer
+MOE_TINY = dict(hidden=64, experts=8, top_k=2, inter=32)  # tiny-qwen3-moe's, for --device cpu
+
+
+def _moe_layer(tokens: int, hidden: int, experts: int, top_k: int, inter: int,
+               dtype: torch.dtype, device: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random x, gate_up [E, 2I, H], down [E, H, I] and router logits, scaled like a trained
+    layer's (unit activations in, unit activations out)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    logits = torch.randn(tokens, experts, generator=g)
+    return (x.to(device, dtype), gate_up.to(device, dtype), down.to(device, dtype),
+            logits.to(device))
+
+
+def _median_ms(fn: Callable[[], object], cuda: bool, reps: int) -> float:
+    """Median of `reps` timed calls after 5 untimed ones: CUDA events on a GPU, else the clock."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def check_moe(device: str, model: Path | None, reps: int) -> list[str]:
+    """Chapter 20. (a) The Triton fused MoE against the torch backend (a loop over experts) on
+    one Qwen3-30B-A3B layer, bfloat16 and float32, relative error; (b) that layer timed, both
+    backends, at 1 to 1024 tokens; (c) a Qwen3-MoE model generating with each backend, greedy
+    tokens compared, logits teacher-forced. `device` cpu runs it all on tiny shapes in Triton's
+    interpreter (TRITON_INTERPRET=1, set before the kernel is imported)."""
+    from minisgl.moe import create_moe_backend
+
+    cuda = device == "cuda"
+    shape = MOE_SHAPE if cuda else MOE_TINY
+    backends = {name: create_moe_backend(name, torch.device(device)) for name in ("torch",
+                                                                                  "triton")}
+    counts = (1, 8, 64, 256, 1024) if cuda else (1, 8, 64)
+    lines = [f"info moe: hidden {shape['hidden']}, {shape['experts']} experts, top "
+             f"{shape['top_k']}, moe_intermediate {shape['inter']}, random weights, on {device}"]
+    for dtype, limit in ((torch.bfloat16, BF16_TOL), (torch.float32, 1e-4)):
+        for n in counts:
+            x, gate_up, down, logits = _moe_layer(n, **shape, dtype=dtype, device=device, seed=n)
+            ref, got = (backends[b].forward(x, gate_up, down, logits, shape["top_k"], True)
+                        for b in ("torch", "triton"))
+            err = float((got.double() - ref.double()).norm() / ref.double().norm())
+            lines.append(f"{'ok  ' if err <= limit else 'FAIL'} moe triton vs torch, "
+                         f"{str(dtype)[6:]}, {n} tokens: relative error {err:.1e} "
+                         f"(limit {limit:g})")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    lines.append(f"info moe layer time (ms), {str(dtype)[6:]}, median of {reps} warm calls "
+                 f"({'CUDA events' if cuda else 'wall clock'}); weights: bytes of the experts "
+                 "the tokens chose")
+    lines.append(f"info   {'tokens':>6} {'experts hit':>11} {'weights MB':>10} {'torch':>9} "
+                 f"{'triton':>9} {'torch/triton':>12} {'triton GB/s':>11}")
+    for n in counts:
+        layer = _moe_layer(n, **shape, dtype=dtype, device=device, seed=n)
+        hit = int(layer[3].topk(shape["top_k"], dim=-1).indices.unique().numel())
+        mb = hit * 3 * shape["hidden"] * shape["inter"] * dtype.itemsize / 1e6
+        ms = {b: _median_ms(lambda b=b, layer=layer: backends[b].forward(
+                  *layer, shape["top_k"], True), cuda, reps) for b in ("torch", "triton")}
+        lines.append(f"info   {n:6d} {hit:11d} {mb:10.1f} {ms['torch']:9.3f} "
+                     f"{ms['triton']:9.3f} {ms['torch'] / ms['triton']:11.1f}x "
+                     f"{mb / ms['triton']:11.0f}")
+    lines += _moe_generate(device, model)
+    return lines
+
+
+def _moe_generate(device: str, model: Path | None) -> list[str]:
+    """(c): the model generating 4 prompts with each backend; on the GPU with CUDA graphs for
+    triton (torch turns them off) and bfloat16; teacher-forced logits compared while the
+    tokens agree."""
+    cuda = device == "cuda"
+    if model is None:
+        model = ROOT / "models" / "tiny-qwen3-moe"
+    if not (model / "config.json").is_file():
+        import subprocess
+
+        subprocess.run([sys.executable, str(ROOT / "tools" / "models.py"), "random", "--arch",
+                        "qwen3-moe", "--preset", "30b-a3b", "--out", str(model), "--device",
+                        device], check=True)
+    vocab = transformers.AutoConfig.from_pretrained(model).vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 130, 17)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(model), dtype=dtype, device=device, moe_backend=backend,
+                  num_page_override=4096, max_seq_len_override=512,
+                  cuda_graph_max_bs=8 if cuda else 0)
+        seen = spy_logits(llm.engine)
+        start = time.perf_counter()
+        out = [o["token_ids"] for o in llm.generate(prompts, params)]
+        runs[backend] = (out, [s.cpu() for s in seen], time.perf_counter() - start,
+                         llm.engine.graph_runner.sizes)
+        llm.shutdown()
+    (ref, ref_logits, t_ref, _), (got, logits, t_got, sizes) = runs["torch"], runs["triton"]
+    errs = _relative_errors(got, ref, logits, ref_logits)
+    same = sum(a == b for a, b in zip(got, ref))
+    limit = BF16_TOL if cuda else 1e-5
+    ok = max(errs) <= limit and (same == len(prompts) or cuda)  # bf16 may flip a near-tie
+    return [f"{'ok  ' if ok else 'FAIL'} moe generate {model.name} {str(dtype)[6:]}: triton "
+            f"(graphs {sizes or 'off'}) vs torch: {same}/{len(prompts)} requests give all "
+            f"{params.max_tokens} tokens alike; relative logits error max {max(errs):.1e} over "
+            f"{len(errs)} teacher-forced steps (limit {limit:g}); first generate {t_got:.1f} s "
+            f"vs {t_ref:.1f} s"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checks", nargs="+", choices=["stage1", "align", "bf16", "speed",
                                                       "tp1", "fi", "graph", "steps", "serve",
-                                                      "kernels", "ksteps"])
+                                                      "kernels", "ksteps", "moe"])
     parser.add_argument("--attn", default="fi", help="speed: our attention backend")
     parser.add_argument("--model", type=Path, help="a Qwen3-0.6B-shaped model (bf16, speed)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5, help="speed: timed rounds per method")
     parser.add_argument("--no-cb", action="store_true", help="speed: skip HF continuous batching")
+    parser.add_argument("--moe-model", type=Path, help="moe: a Qwen3-MoE model (made if missing)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: only the moe check, tiny, in Triton's interpreter")
     args = parser.parse_args()
+    if args.device == "cpu":
+        if args.checks != ["moe"]:
+            sys.exit("--device cpu runs only the moe check")
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the triton backend imports its kernel
+        print(f"CPU; torch {torch.__version__}; date {datetime.date.today()}")
+        lines = check_moe("cpu", args.moe_model, reps=5)
+        print("\n".join(lines))
+        failed = sum(line.startswith("FAIL") for line in lines)
+        print(f"summary: {sum(line.startswith(('ok', 'FAIL')) for line in lines) - failed} ok, "
+              f"{failed} failed")
+        sys.exit(1 if failed else 0)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this script is for a GPU machine")
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, transformers "
@@ -779,6 +917,8 @@ def main() -> None:
             lines += check_kernels()
         elif check == "ksteps":
             lines += check_kernel_steps(args.model, args.rounds)
+        elif check == "moe":
+            lines += check_moe("cuda", args.moe_model, reps=max(20, 4 * args.rounds))
         print("\n".join(lines[-1:]), flush=True)
     print("\n".join(lines))
     failed = sum(line.startswith("FAIL") for line in lines)

@@ -12,6 +12,7 @@ import torch
 if TYPE_CHECKING:  # these arrive in chapters 4 and 5; only their names are needed here
     from minisgl.attention import BaseAttnBackend, BaseAttnMetadata
     from minisgl.kvcache import BaseKVCachePool
+    from minisgl.moe import BaseMoeBackend
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class Context:
     page_table: torch.Tensor = field(init=False)  # [rows, max_seq_len]: token slot per position
     kv_cache: BaseKVCachePool = field(init=False)
     attn_backend: BaseAttnBackend = field(init=False)
+    moe_backend: BaseMoeBackend = field(init=False)  # an MoE model's experts (chapter 20)
     forward_count: int = field(default=0, init=False)  # forward passes begun (chapter 18)
     _batch: Batch | None = field(default=None, init=False)
 

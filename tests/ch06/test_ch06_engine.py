@@ -140,8 +140,13 @@ def test_cpu_threads_and_device(monkeypatch) -> None:
 def test_errors_are_clear(model_dir, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="tools/models.py"):
         Engine(EngineConfig(str(tmp_path / "missing")))
+    unknown = tmp_path / "unknown"  # an architecture we do not have (chapter 20 added Qwen3-MoE)
+    shutil.copytree(model_dir("tiny-qwen3"), unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    config["architectures"] = ["MixtralForCausalLM"]
+    (unknown / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
-        Engine(EngineConfig(str(model_dir("tiny-qwen3-moe"))))
+        Engine(EngineConfig(str(unknown)))
     broken = tmp_path / "broken"
     shutil.copytree(model_dir("tiny-llama"), broken)
     weights = load_file(broken / "model.safetensors")

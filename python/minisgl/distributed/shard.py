@@ -59,8 +59,7 @@ def shard_of(name: str, config: ModelConfig, tp: DistributedInfo) -> Shard:
     if tp.size == 1:
         return Shard()
     heads, d = HeadSplit.of(config, tp), config.head_dim
-    inter = tp.split(config.intermediate_size, "intermediate_size")
-    *_, part, _kind = name.split(".")
+    *prefix, part, _kind = name.split(".")
     if part == "q_proj":
         return Shard(0, heads.first_qo * d, (heads.first_qo + heads.qo_heads) * d,
                      heads.qo_heads * d)
@@ -70,10 +69,13 @@ def shard_of(name: str, config: ModelConfig, tp: DistributedInfo) -> Shard:
     if part == "o_proj" and _kind == "weight":
         return Shard(1, heads.first_qo * d, (heads.first_qo + heads.qo_heads) * d,
                      heads.qo_heads * d)
-    if part in ("gate_proj", "up_proj"):
-        return Shard(0, tp.rank * inter, (tp.rank + 1) * inter, inter)
-    if part == "down_proj" and _kind == "weight":
-        return Shard(1, tp.rank * inter, (tp.rank + 1) * inter, inter)
+    if part in ("gate_proj", "up_proj") or (part == "down_proj" and _kind == "weight"):
+        # an expert (mlp.experts.E.*) is cut like the MLP, on its own width (chapter 20)
+        expert = len(prefix) > 1 and prefix[-2] == "experts"
+        field = "moe_intermediate_size" if expert else "intermediate_size"
+        inter = tp.split(getattr(config, field), field)
+        return Shard(0 if part != "down_proj" else 1, tp.rank * inter, (tp.rank + 1) * inter,
+                     inter)
     if part in ("embed_tokens", "lm_head"):
         return vocab_rows(config.vocab_size, tp)
     return Shard()  # norms, and the biases of o_proj / down_proj (added once, after the sum)
@@ -82,10 +84,16 @@ def shard_of(name: str, config: ModelConfig, tp: DistributedInfo) -> Shard:
 def local_config(config: ModelConfig, tp: DistributedInfo) -> ModelConfig:
     """The model as one rank sees it: its heads and its share of the MLP. The vocabulary stays
     whole here: the vocabulary layers cut it themselves (vocab_rows), as they must gather it
-    back. Everything sized from the config (weights, the KV pool, attention) is then local."""
+    back. Everything sized from the config (weights, the KV pool, attention) is then local.
+    An MoE model's experts are cut like the MLP, on moe_intermediate_size (chapter 20); its
+    intermediate_size is split only if some layer has a dense MLP."""
     if tp.size == 1:
         return config
     heads = HeadSplit.of(config, tp)
-    return dataclasses.replace(config, num_qo_heads=heads.qo_heads, num_kv_heads=heads.kv_heads,
-                               intermediate_size=tp.split(config.intermediate_size,
-                                                          "intermediate_size"))
+    layers = range(config.num_layers)
+    dense, sparse = [[i for i in layers if config.is_moe_layer(i) == moe] for moe in (False, True)]
+    inter, moe_inter = config.intermediate_size, config.moe_intermediate_size
+    return dataclasses.replace(
+        config, num_qo_heads=heads.qo_heads, num_kv_heads=heads.kv_heads,
+        intermediate_size=tp.split(inter, "intermediate_size") if dense else inter,
+        moe_intermediate_size=tp.split(moe_inter, "moe_intermediate_size") if sparse else 0)

@@ -27,6 +27,7 @@ class EngineConfig:
     tp_info: DistributedInfo = DistributedInfo()  # this rank of the tensor-parallel group
     dist_init: str = ""  # where the ranks meet (tcp://HOST:PORT or file://PATH); chapter 16
     cuda_graph_max_bs: int | None = None  # None: 256 on a GPU, 0 (no graphs) on the CPU; ch. 18
+    moe_backend: str = "auto"  # an MoE model's experts: torch, triton; auto picks (chapter 20)
 
     @cached_property
     def model_config(self) -> ModelConfig:

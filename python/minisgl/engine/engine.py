@@ -1,5 +1,5 @@
 """The Engine: model, KV pool, page table, backend and sampler; runs one batch (chapter 6;
-decode replayed from CUDA graphs in chapter 18)."""
+decode replayed from CUDA graphs in chapter 18; the MoE backend in chapter 20)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from minisgl.distributed import all_reduce, destroy_distributed, init_distribute
 from minisgl.distributed.shard import local_config, shard_of
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.models import create_model, load_weight
+from minisgl.moe import BaseMoeBackend, create_moe_backend, resolve_moe_backend
 from minisgl.utils.device import create_event, create_stream, pick_device, set_cpu_threads
 
 from .config import EngineConfig
@@ -70,6 +71,12 @@ class Engine:
         free_before = self._free_memory()
         agree_free_memory(free_before)  # refuses ranks too far apart before any work
         backend = resolve_backend_name(config.attention_backend, self.device)  # a typo: now
+        moe_name = resolve_moe_backend(config.moe_backend, self.device)
+        self.moe_backend: BaseMoeBackend | None = None
+        if model_config.num_experts:  # before the weights: a missing Triton is said at once
+            self.ctx.moe_backend = self.moe_backend = create_moe_backend(moe_name, self.device)
+            logger.info("MoE: %d experts, top %d, the %s backend", model_config.num_experts,
+                        model_config.num_experts_per_tok, moe_name)
 
         # the model is built on the meta device (no memory), then the weights replace its tensors
         with torch.device("meta"), _default_dtype(self.dtype):
@@ -108,6 +115,10 @@ class Engine:
         if max_bs > 0 and not self.attn_backend.supports_graphs:
             logger.warning("graphs off: the %s backend cannot be captured",
                            c.attention_backend)
+            return []
+        if max_bs > 0 and self.moe_backend is not None and not self.moe_backend.supports_graphs:
+            logger.warning("graphs off: the %s cannot be captured (it reads counts on the host)",
+                           type(self.moe_backend).__name__)
             return []
         return graph_batch_sizes(max_bs, c.max_running_req)
 

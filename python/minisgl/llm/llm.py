@@ -51,9 +51,10 @@ class LLM(Scheduler):
         """dtype None: bfloat16 on a GPU, float32 on the CPU. `config` takes the keywords of
         SchedulerConfig and EngineConfig: max_running_req, page_size, num_page_override,
         max_seq_len_override, attention_backend, memory_ratio, device, seed, from chapters 9
-        and 10 on cache_type and max_extend_tokens, and from chapter 16 tp_info and dist_init:
+        and 10 on cache_type and max_extend_tokens, from chapter 16 tp_info and dist_init:
         tensor parallelism runs one process per rank, each making its LLM with its own
-        DistributedInfo(rank, size) and the same dist_init rendezvous."""
+        DistributedInfo(rank, size) and the same dist_init rendezvous; from chapter 18
+        cuda_graph_max_bs, and from chapter 20 moe_backend."""
         if dtype is None:
             device = config.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32

@@ -1,4 +1,5 @@
-"""ModelConfig: the few fields of a HF config.json that inference needs (chapter 3)."""
+"""ModelConfig: the few fields of a HF config.json that inference needs (chapter 3; the MoE
+fields: chapter 20)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,19 @@ class ModelConfig:
     max_position: int
     tie_word_embeddings: bool
     attention_bias: bool
+    # mixture of experts (chapter 20); num_experts 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` has experts (HF's rule): not listed in mlp_only_layers, and
+        every decoder_sparse_step-th layer (step 1: all of them)."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -59,4 +73,11 @@ class ModelConfig:
             max_position=hf["max_position_embeddings"],
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", False),
+            # transformers 5 saves Qwen3-MoE's expert count as num_local_experts
+            num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 0),
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+            norm_topk_prob=hf.get("norm_topk_prob", False),
+            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
         )

@@ -1,4 +1,5 @@
-"""The model registry: architectures[0] of config.json -> model class (chapter 3)."""
+"""The model registry: architectures[0] of config.json -> model class (chapter 3; Qwen3-MoE:
+chapter 20)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ _MODELS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 

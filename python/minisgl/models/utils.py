@@ -1,6 +1,9 @@
-"""The decoder blocks the dense models share: gated MLP, attention block, layer (chapter 3)."""
+"""The decoder blocks the models share: gated MLP, attention block, layer (chapter 3); an MoE
+model brings its own feed-forward block through CausalLM.make_mlp (chapter 20)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -58,12 +61,12 @@ class RopeAttn(BaseOP):
 
 class DecoderLayer(BaseOP):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 qk_norm: bool, qkv_bias: bool) -> None:
+                 qk_norm: bool, qkv_bias: bool, mlp: BaseOP) -> None:
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNormFused(config.hidden_size, eps)
         self.self_attn = RopeAttn(config, layer_id, rotary, qk_norm, qkv_bias)
         self.post_attention_layernorm = RMSNormFused(config.hidden_size, eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,10 +77,12 @@ class DecoderLayer(BaseOP):
 
 
 class DecoderModel(BaseOP):
-    def __init__(self, config: ModelConfig, qk_norm: bool, qkv_bias: bool) -> None:
+    def __init__(self, config: ModelConfig, qk_norm: bool, qkv_bias: bool,
+                 make_mlp: Callable[[ModelConfig, int], BaseOP]) -> None:
         rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = OPList([DecoderLayer(config, i, rotary, qk_norm, qkv_bias)
+        self.layers = OPList([DecoderLayer(config, i, rotary, qk_norm, qkv_bias,
+                                           make_mlp(config, i))
                               for i in range(config.num_layers)])
         self.norm = RMSNormFused(config.hidden_size, config.rms_norm_eps)
 
@@ -95,9 +100,14 @@ class CausalLM(BaseLLMModel):
     qkv_bias = False  # Qwen2 has biases on q, k and v
 
     def __init__(self, config: ModelConfig) -> None:
-        self.model = DecoderModel(config, self.qk_norm, self.qkv_bias or config.attention_bias)
+        self.model = DecoderModel(config, self.qk_norm, self.qkv_bias or config.attention_bias,
+                                  self.make_mlp)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied)
+
+    def make_mlp(self, config: ModelConfig, layer_id: int) -> BaseOP:
+        """Layer `layer_id`'s feed-forward block: the gated MLP here; experts in an MoE model."""
+        return GatedMLP(config)
 
     def forward(self) -> torch.Tensor:
         return self.lm_head.forward(self.model.forward(get_global_ctx().batch.input_ids))

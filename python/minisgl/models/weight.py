@@ -1,4 +1,5 @@
-"""Weight loading: safetensors read straight into the final tensors, q/k/v merged (chapter 3)."""
+"""Weight loading: safetensors read straight into the final tensors, q/k/v merged (chapter 3);
+experts stacked (chapter 20)."""
 
 from __future__ import annotations
 
@@ -83,12 +84,20 @@ def _local_shape(shape: list[int], shard: Shard) -> list[int]:
     return [shard.size if i == shard.dim else n for i, n in enumerate(shape)]
 
 
-def _destination(name: str) -> tuple[str, str | None]:
-    """Our name for an HF tensor, and which part of a merged tensor it is (None: not merged)."""
+def _destination(name: str) -> tuple[str, str | None, int | None]:
+    """Our name for an HF tensor, which part of a merged tensor it is (None: not merged), and
+    which expert it belongs to (None: no expert's). HF stores each expert apart
+    (mlp.experts.3.gate_proj.weight); we stack them: that is [3] of mlp.experts.gate_up_proj,
+    an [E, 2I, H] tensor (chapter 20)."""
     *prefix, part, kind = name.split(".")  # e.g. [...self_attn], q_proj, weight
-    if part not in _MERGES:
-        return name, None
-    return ".".join([*prefix, _MERGES[part][0], kind]), part
+    merged = part in _MERGES
+    if len(prefix) > 1 and prefix[-2] == "experts" and prefix[-1].isdigit():
+        expert = int(prefix.pop())
+        return ".".join([*prefix, _MERGES[part][0] if merged else part]), \
+            part if merged else None, expert
+    if not merged:
+        return name, None, None
+    return ".".join([*prefix, _MERGES[part][0], kind]), part, None
 
 
 def load_weight(model_path: str | Path, device: torch.device, dtype: torch.dtype,
@@ -101,17 +110,21 @@ def load_weight(model_path: str | Path, device: torch.device, dtype: torch.dtype
     once at its final size and each tensor's bytes are read straight into its rows: no
     intermediate copies, so loading needs about one copy of the weights and no more.
     `shards(name)` is a tensor-parallel rank's slice of each tensor (chapter 16): the rank
-    allocates and reads only that, so it needs about 1/tp of the weights."""
+    allocates and reads only that, so it needs about 1/tp of the weights. An expert's tensors
+    go to their row of the stacked tensor, each read in place like the others (chapter 20)."""
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_path}")
     headers = {file: read_header(file) for file in files}
     parts: dict[str, dict[str | None, list[int]]] = {}  # our name -> part -> shape
+    experts: dict[str, set[tuple[str | None, int]]] = {}  # stacked name -> (part, expert) seen
     for _, header in headers.values():
         for name, info in header.items():
             if not (tie_word_embeddings and name == "lm_head.weight"):
-                key, part = _destination(name)
+                key, part, expert = _destination(name)
                 parts.setdefault(key, {})[part] = _local_shape(info["shape"], shards(name))
+                if expert is not None:
+                    experts.setdefault(key, set()).add((part, expert))
     rows: dict[tuple[str, str | None], int] = {}  # (our name, part) -> first row
     result: dict[str, torch.Tensor] = {}
     for key, shapes in parts.items():
@@ -126,16 +139,26 @@ def load_weight(model_path: str | Path, device: torch.device, dtype: torch.dtype
             first += shapes[part][0] if shapes[part] else 1
         tail = shapes[order[0]][1:]
         shape = shapes[None] if order == [None] else [first, *tail]
+        if key in experts:  # one row per expert: every expert must bring every part
+            count = 1 + max(e for _, e in experts[key])
+            gaps = [(p, e) for e in range(count) for p in order if (p, e) not in experts[key]]
+            if gaps:
+                stem, own = key.rsplit(".", 1)
+                raise KeyError(f"the checkpoint has no tensor "
+                               f"'{stem}.{gaps[0][1]}.{gaps[0][0] or own}.weight' (needed for {key})")
+            shape = [count, *shape]
         # zeros: a vocabulary padded to a multiple of tp has rows no checkpoint fills
         result[key] = torch.zeros(shape, dtype=dtype, device=device)
     with tqdm(total=len(rows), desc="loading weights", unit=" tensors", leave=False) as bar:
         for file, (base, header) in headers.items():
             with open(file, "rb") as f:
                 for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                    key, part = _destination(name)
+                    key, part, expert = _destination(name)
                     if (key, part) not in rows:
                         continue  # the tied lm_head
                     shard, out = shards(name), result[key]
+                    if expert is not None:
+                        out = out[expert]
                     if part is not None:
                         first = rows[key, part]
                         out = out[first : first + _local_shape(info["shape"], shard)[0]]

@@ -11,6 +11,7 @@ import torch
 from minisgl.distributed import DistributedInfo
 from minisgl.distributed.shard import local_config
 from minisgl.models import ModelConfig, load_hf_config
+from minisgl.moe import MOE_BACKENDS
 from minisgl.scheduler import SchedulerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
     p.add_argument("--attention-backend", "--attn", default="auto",
                    help="attention backend; auto picks one for the device")
+    p.add_argument("--moe-backend", default="auto", choices=["auto", *MOE_BACKENDS.names()],
+                   help="an MoE model's experts; auto: triton on a GPU with Triton, else torch")
     p.add_argument("--cache-type", "--cache", default="radix", choices=["radix", "naive"],
                    help="prefix cache")
     p.add_argument("--shell-mode", "--shell", action="store_true", dest="shell",
@@ -80,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         page_size=a.page_size, memory_ratio=a.memory_ratio,
         max_seq_len_override=a.max_seq_len_override, num_page_override=a.num_pages,
         cache_type=a.cache_type, max_extend_tokens=a.max_extend_tokens,
-        tp_info=DistributedInfo(0, a.tp_size), cuda_graph_max_bs=a.cuda_graph_max_bs)
+        tp_info=DistributedInfo(0, a.tp_size), cuda_graph_max_bs=a.cuda_graph_max_bs,
+        moe_backend=a.moe_backend)
     return ServerArgs(config, a.host, a.port, a.num_tokenizer, a.shell)
 
 
