@@ -38,7 +38,8 @@ def compare_with_torch() -> None:
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         x, r = (torch.randn(6, 576, generator=g).to(dtype) for _ in range(2))
-        w, gate_up = torch.randn(576, generator=g).to(dtype), torch.randn(6, 3072).to(dtype)
+        w = torch.randn(576, generator=g).to(dtype)
+        gate_up = torch.randn(6, 3072, generator=g).to(dtype)
         qkv = torch.randn(6, 15 * 64 + 2 * 5 * 64, generator=g).to(dtype)  # SmolLM2: 9 q, 3 kv
         q, k = qkv[:, :9 * 64], qkv[:, 9 * 64:12 * 64]
         positions = torch.tensor([0, 1, 2, 40, 41, 99])

@@ -4,6 +4,7 @@ tools/gpu_check.py kernels."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -49,8 +50,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_nvcc_compiles_the_same_source(tmp_path: Path) -> None:
-    cmd = ["nvcc", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_90",
-           str(cuda.CSRC / "kernels.cu"), "-o", str(tmp_path / "k.so")]
+    cmd = cuda.build_command(False, cuda.CSRC / "kernels.cu", tmp_path / "k.so", arch="sm_90")
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
 
@@ -242,3 +242,17 @@ def test_the_engine_on_emulated_kernels_gives_hf_tokens(
     assert_aligned(out[0]["token_ids"], seen, *hf_greedy(path, prompt, 16))
     # the embedding of the whole table stays torch's (one gather; ours did not pay on the H200)
     assert calls == {"store_kv", "rms_norm", "rope", "silu_and_mul"}
+
+
+def test_the_shell_on_emulated_kernels(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """`MINISGL_KERNELS=cuda python -m minisgl --shell`: the scheduler process says which
+    kernels it runs, and answers."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), MINISGL_KERNELS="cuda")
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--model", str(model_dir("tiny-qwen3")), "--shell",
+         "--max-seq-len-override", "64"], input="hello\n/exit\n", capture_output=True,
+        text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "kernels: ours, on the CPU emulator (MINISGL_KERNELS=cuda)" in out.stderr
+    ready, answer = out.stdout.split("\n", 1)
+    assert "is ready" in ready and len(answer.strip()) > 0

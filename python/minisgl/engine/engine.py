@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from minisgl import kernel
 from minisgl.attention import create_attention_backend, resolve_backend_name
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
 from minisgl.distributed import all_reduce, destroy_distributed, init_distributed
@@ -71,6 +72,7 @@ class Engine:
         free_before = self._free_memory()
         agree_free_memory(free_before)  # refuses ranks too far apart before any work
         backend = resolve_backend_name(config.attention_backend, self.device)  # a typo: now
+        logger.info("kernels: %s", kernel.describe(self.device))  # chapter 19
         moe_name = resolve_moe_backend(config.moe_backend, self.device)
         self.moe_backend: BaseMoeBackend | None = None
         if model_config.num_experts:  # before the weights: a missing Triton is said at once

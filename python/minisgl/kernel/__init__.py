@@ -45,6 +45,18 @@ def ours(x: torch.Tensor) -> bool:
     return mode() == "cuda" or (x.is_cuda and _nvcc_found())
 
 
+def describe(device: torch.device) -> str:
+    """Which kernels compute on `device`, for the engine's log line."""
+    if mode() == "torch":
+        return "torch's ops (MINISGL_KERNELS=torch)"
+    if device.type == "cuda":
+        return "ours, built by nvcc" if mode() == "cuda" or _nvcc_found() else \
+            "torch's ops (nvcc not found)"
+    if mode() == "cuda":
+        return "ours, on the CPU emulator (MINISGL_KERNELS=cuda)"
+    return "torch's ops (ours are CUDA kernels; MINISGL_KERNELS=cuda emulates them here)"
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (cuda if ours(x) else reference).rms_norm(x, weight, eps)
 
@@ -86,6 +98,7 @@ def store_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Ten
 __all__ = [
     "apply_rope",
     "apply_rope_with",
+    "describe",
     "embedding",
     "fused_add_rms_norm",
     "ours",

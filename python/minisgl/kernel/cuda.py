@@ -49,7 +49,9 @@ def build_command(emulate: bool, src: Path, out: Path, arch: str | None = None) 
 def build(emulate: bool, csrc: Path = CSRC) -> Path:
     """Compile csrc/kernels.cu, once per source version, compiler mode and GPU generation;
     returns the shared library's path in the cache."""
-    digest = hashlib.sha256(b"".join((csrc / s).read_bytes() for s in SOURCES))
+    # the key: the sources and the compiler's command line (a changed flag builds anew)
+    flags = " ".join(build_command(emulate, Path("kernels.cu"), Path("out"))).encode()
+    digest = hashlib.sha256(b"".join((csrc / s).read_bytes() for s in SOURCES) + flags)
     tag = "emu" if emulate else "sm{}{}".format(*torch.cuda.get_device_capability())
     out = cache_dir() / f"kernels-{tag}-{digest.hexdigest()[:16]}.so"
     if not out.exists():

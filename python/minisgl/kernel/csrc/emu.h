@@ -23,7 +23,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __restrict__
-#define __shared__ static  // one block at a time: a static is that block's shared memory
+#define __shared__ static thread_local  // one block at a time: the block's shared memory
 
 struct dim3 {
   unsigned x, y, z;
