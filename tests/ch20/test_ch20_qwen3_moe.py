@@ -10,6 +10,7 @@ import json
 import multiprocessing as mp
 import queue
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -137,6 +138,35 @@ def test_same_tokens_and_logits_as_hf(backend: str, make_llm: Callable,
     tokens, logits = run(llm, PROMPTS)
     for prompt, got, steps in zip(PROMPTS, tokens, logits):
         assert_aligned(got, steps, *hf_greedy(path, prompt, 16))
+
+
+@pytest.fixture
+def gpu_path_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """What a GPU runs, stood in for on the CPU: our CUDA kernels on their emulator
+    (MINISGL_KERNELS=cuda, chapter 19) and the fake FlashInfer / FlashAttention of chapter 17."""
+    from minisgl import kernel
+
+    monkeypatch.setenv("MINISGL_KERNELS", "cuda")
+    kernel.mode.cache_clear()
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "fakes"))
+    names = ("flashinfer", "sgl_kernel", "sgl_kernel.flash_attn")
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield
+    for name in names:
+        sys.modules.pop(name, None)
+    monkeypatch.delenv("MINISGL_KERNELS")
+    kernel.mode.cache_clear()
+
+
+def test_the_gpu_path_emulated(gpu_path_on_the_cpu: None, make_llm: Callable,
+                               model_dir: Callable[[str], Path]) -> None:
+    """The triton MoE between our kernels (emulated) and fa,fi (fakes): HF's tokens and logits,
+    so the pieces a GPU combines fit together."""
+    path = model_dir(MOE)
+    llm = make_llm(path, moe_backend="triton", attention_backend="fa,fi")
+    tokens, logits = run(llm, PROMPTS[:1])
+    assert_aligned(tokens[0], logits[0], *hf_greedy(path, PROMPTS[0], 16))
 
 
 @pytest.fixture(scope="module")
