@@ -140,6 +140,38 @@ def test_same_tokens_and_logits_as_hf(backend: str, make_llm: Callable,
         assert_aligned(got, steps, *hf_greedy(path, prompt, 16))
 
 
+@pytest.mark.parametrize("arch,cache_type", [
+    ("tiny-qwen3", "radix"), ("tiny-llama", "naive"), ("tiny-qwen2", "radix"),
+    ("tiny-mistral", "radix")])
+def test_dense_models_are_unchanged(arch: str, cache_type: str, make_llm: Callable,
+                                    model_dir: Callable[[str], Path],
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    """This chapter reworked the loader, the config and the MLP hook every model uses: the dense
+    architectures still give HF's tokens and logits, and build no MoE backend."""
+    path = model_dir(arch)
+    with caplog.at_level("INFO"):
+        llm = make_llm(path, cache_type=cache_type)
+    assert llm.engine.moe_backend is None and "MoE" not in caplog.text
+    tokens, logits = run(llm, PROMPTS[:1])
+    assert_aligned(tokens[0], logits[0], *hf_greedy(path, PROMPTS[0], 16))
+
+
+def test_the_shell_with_triton(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """`python -m minisgl --shell --moe-backend triton`: the scheduler process names the backend
+    and answers (Triton interpreted on the CPU: TRITON_INTERPRET=1 is inherited)."""
+    import os
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--model", str(model_dir(MOE)), "--shell",
+         "--moe-backend", "triton", "--max-seq-len-override", "64"], input="hello\n/exit\n",
+        capture_output=True, text=True, timeout=180, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "MoE: 8 experts, top 2, the triton backend" in out.stderr
+    ready, answer = out.stdout.split("\n", 1)
+    assert "is ready" in ready and len(answer.strip()) > 0
+
+
 @pytest.fixture
 def gpu_path_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """What a GPU runs, stood in for on the CPU: our CUDA kernels on their emulator

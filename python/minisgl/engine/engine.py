@@ -73,9 +73,9 @@ class Engine:
         agree_free_memory(free_before)  # refuses ranks too far apart before any work
         backend = resolve_backend_name(config.attention_backend, self.device)  # a typo: now
         logger.info("kernels: %s", kernel.describe(self.device))  # chapter 19
-        moe_name = resolve_moe_backend(config.moe_backend, self.device)
         self.moe_backend: BaseMoeBackend | None = None
         if model_config.num_experts:  # before the weights: a missing Triton is said at once
+            moe_name = resolve_moe_backend(config.moe_backend, self.device)
             self.ctx.moe_backend = self.moe_backend = create_moe_backend(moe_name, self.device)
             logger.info("MoE: %d experts, top %d, the %s backend", model_config.num_experts,
                         model_config.num_experts_per_tok, moe_name)
