@@ -417,41 +417,56 @@ def check_graph(q06: Path | None) -> list[str]:
     return lines
 
 
+STEPS = 64  # decode steps in one step-time measurement
+
+
+def _step_prompts() -> dict[int, list[list[int]]]:
+    """Batches of 1 and 64 prompts of 128 random ids (seed 0), for the step-time checks."""
+    g = torch.Generator().manual_seed(0)
+    return {bs: [torch.randint(10, 150000, (128,), generator=g).tolist() for _ in range(bs)]
+            for bs in (1, 64)}
+
+
+def _ms_per_step(run: Callable[[int], object]) -> float:
+    """The mean decode step (ms) of run(k), which generates k tokens: the time of STEPS + 1
+    tokens less the time of 1 (the prefill), over STEPS."""
+    one, many = timed(lambda: run(1)), timed(lambda: run(STEPS + 1))
+    return (many - one) / STEPS * 1e3
+
+
+def _llm_step_times(path: Path, prompts: dict[int, list[list[int]]],
+                    **config: object) -> dict[int, list[float]]:
+    """One LLM (bfloat16, overlap on, `config`): two step-time measurements per batch size."""
+    llm = make_llm(path, True, dtype=torch.bfloat16, max_running_req=64, cache_type="naive",
+                   num_page_override=64 * 256, max_seq_len_override=256, **config)
+    times = {bs: [_ms_per_step(lambda k, ps=ps: llm.generate(
+        ps, SamplingParams(max_tokens=k, ignore_eos=True))) for _ in range(2)]
+        for bs, ps in prompts.items()}
+    llm.shutdown()
+    return times
+
+
 def check_steps(path: Path, rounds: int) -> list[str]:
     """Decode step time on the Qwen3-0.6B shape, bfloat16, prompts of 128 tokens: eager vs graph
     and torch vs fi, at batch 1 and 64, HF generate beside. A figure is the median over
     `rounds` rounds (configurations in turns) of two measurements, each the mean of 64 decode
     steps: (time of 65 tokens - time of 1 token) / 64. Then a profile of 16 steps at batch 64."""
-    g = torch.Generator().manual_seed(0)
-    prompts = {bs: [torch.randint(10, 150000, (128,), generator=g).tolist() for _ in range(bs)]
-               for bs in (1, 64)}
+    prompts = _step_prompts()
     configs = {"torch eager": ("torch", 0), "torch graph": ("torch", 64),
                "fi eager": ("fi", 0), "fi graph": ("fi", 64)}
-    n = 64
     times: dict[tuple[str, int], list[float]] = {(c, bs): [] for c in [*configs, "HF"]
                                                  for bs in prompts}
-
-    def per_step(run: Callable[[int], object]) -> float:
-        one, many = timed(lambda: run(1)), timed(lambda: run(n + 1))
-        return (many - one) / n * 1e3
-
     hf = hf_model(path, torch.bfloat16)
     for i in range(rounds + 1):  # round 0 warms up and is not counted
         for name, (attn, max_bs) in configs.items():
-            llm = make_llm(path, True, dtype=torch.bfloat16, attention_backend=attn,
-                           cuda_graph_max_bs=max_bs, max_running_req=64, cache_type="naive",
-                           num_page_override=64 * 256, max_seq_len_override=256)
-            for bs, ps in prompts.items():
-                for _ in range(2):
-                    ms = per_step(lambda k, llm=llm, ps=ps: llm.generate(
-                        ps, SamplingParams(max_tokens=k, ignore_eos=True)))
-                    if i:
-                        times[(name, bs)].append(ms)
-            llm.shutdown()
+            measured = _llm_step_times(path, prompts, attention_backend=attn,
+                                       cuda_graph_max_bs=max_bs)
+            for bs, ms in measured.items():
+                times[(name, bs)] += ms if i else []
         for bs, ps in prompts.items():
             x = torch.tensor(ps, device="cuda")
             for _ in range(2):
-                ms = per_step(lambda k, x=x: hf.generate(
+                ms = _ms_per_step(lambda k, x=x: hf.generate(
                     x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k,
                     do_sample=False))
                 if i:
@@ -459,7 +474,7 @@ def check_steps(path: Path, rounds: int) -> list[str]:
         print(f"    steps round {i} done", flush=True)
     torch.cuda.empty_cache()
     lines = [f"info decode step (ms), {path.name}, bfloat16, prompts of 128 tokens; median of "
-             f"{2 * rounds} measurements, each the mean of {n} steps"]
+             f"{2 * rounds} measurements, each the mean of {STEPS} steps"]
     lines.append(f"info   {'':<12} {'batch 1':>9} {'batch 64':>9}")
     hf1 = statistics.median(times[("HF", 1)])
     for name in [*configs, "HF"]:
@@ -620,35 +635,21 @@ def check_kernel_steps(path: Path, rounds: int) -> list[str]:
     """Chapter 19: the decode step with our kernels against torch's ops (MINISGL_KERNELS=torch),
     fi backend, eager and graph, batch 1 and 64; measured as in check_steps. Then the profile of
     fi graph with our kernels."""
-    g = torch.Generator().manual_seed(0)
-    prompts = {bs: [torch.randint(10, 150000, (128,), generator=g).tolist() for _ in range(bs)]
-               for bs in (1, 64)}
+    prompts = _step_prompts()
     configs = {"fi eager, torch ops": ("torch", 0), "fi eager, ours": ("auto", 0),
                "fi graph, torch ops": ("torch", 64), "fi graph, ours": ("auto", 64)}
-    n = 64
     times: dict[tuple[str, int], list[float]] = {(c, bs): [] for c in configs for bs in prompts}
-
-    def per_step(run: Callable[[int], object]) -> float:
-        one, many = timed(lambda: run(1)), timed(lambda: run(n + 1))
-        return (many - one) / n * 1e3
-
     for i in range(rounds + 1):  # round 0 warms up and is not counted
         for name, (mode, max_bs) in configs.items():
             _set_kernels(mode)
-            llm = make_llm(path, True, dtype=torch.bfloat16, attention_backend="fi",
-                           cuda_graph_max_bs=max_bs, max_running_req=64, cache_type="naive",
-                           num_page_override=64 * 256, max_seq_len_override=256)
-            for bs, ps in prompts.items():
-                for _ in range(2):
-                    ms = per_step(lambda k, llm=llm, ps=ps: llm.generate(
-                        ps, SamplingParams(max_tokens=k, ignore_eos=True)))
-                    if i:
-                        times[(name, bs)].append(ms)
-            llm.shutdown()
+            measured = _llm_step_times(path, prompts, attention_backend="fi",
+                                       cuda_graph_max_bs=max_bs)
+            for bs, ms in measured.items():
+                times[(name, bs)] += ms if i else []
         print(f"    kernel steps round {i} done", flush=True)
     _set_kernels("auto")
     lines = [f"info decode step (ms), {path.name}, bfloat16, prompts of 128 tokens, --attn fi; "
-             f"median of {2 * rounds} measurements, each the mean of {n} steps"]
+             f"median of {2 * rounds} measurements, each the mean of {STEPS} steps"]
     lines.append(f"info   {'':<20} {'batch 1':>9} {'batch 64':>9}")
     for name in configs:
         a, b = (statistics.median(times[(name, bs)]) for bs in (1, 64))
