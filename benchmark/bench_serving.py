@@ -1,69 +1,131 @@
-"""A serving benchmark against a running OpenAI-compatible server (chapter 21): requests of random
-token ids sent to /v1/completions, streamed, at Poisson arrivals (--request-rate) or with a cap on
-requests in flight (--max-concurrency); the metrics as SGLang's bench_serving defines them.
+"""A serving benchmark: a client that times a running OpenAI-compatible server (chapter 21
+introduces it). Prompts of random token ids go to /v1/completions (or, with --backend chat, their
+text to /v1/chat/completions), streamed, at Poisson arrivals or all at once, for each rate of
+--request-rates in turn after one warm-up request; the metrics as SGLang's bench_serving defines
+them, one row per rate.
 
     python -m minisgl --model models/SmolLM2-135M-Instruct --port 1919 &
-    python benchmark/bench_serving.py --port 1919 --num-prompts 16 --request-rate 2
+    python benchmark/bench_serving.py --port 1919 --num-prompts 16 --request-rates 2 inf
+    python benchmark/bench_serving.py --port 1919 --backend chat \\
+        --tokenizer models/SmolLM2-135M-Instruct --request-rates 4 --json serving.json
 
-TTFT: from sending the request to the first chunk with text. ITL: the gaps between chunks with
-text. E2E: from sending to the last event. TPOT: (E2E - TTFT) / (output tokens - 1), per request.
-Output tokens come from the server's `usage` (stream_options.include_usage), never from what was
-asked. Throughputs divide by the time from the first send to the last reply.
+TTFT: from just before the POST to the first chunk with text. ITL: the gaps between chunks with
+text (a role-only, empty or usage-only chunk has none). E2E: from before the POST to the last
+event. TPOT: (E2E - TTFT) / (output tokens - 1), per request of more than one token. Output
+tokens come from the server's `usage` (stream_options.include_usage) when it sends one, else they
+are the max_tokens asked for, which is right only because every request sets ignore_eos (the
+official mini-sglang server sends no usage); the report says which. Throughputs divide by the time
+from the first send to the last reply.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import http.client
 import json
+import math
+import os
+import platform
 import random
-import statistics
+import shlex
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+SOURCES = {"usage": "output tokens from usage",
+           "requested": "output tokens as requested: the server sent no usage; valid only with "
+                        "ignore_eos",
+           "mixed": "output tokens from usage for some requests, as requested for others"}
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the requests go and how."""
+
+    host: str = "127.0.0.1"
+    port: int = 1919
+    backend: str = "completions"  # a key of ENDPOINTS
+    timeout: float = 600.0
 
 
 @dataclass
 class Result:
+    """One request, timed. output_tokens is from `usage` if from_usage, else as requested."""
+
     ok: bool = False
     error: str = ""
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
-    prompt_tokens: int = 0
+    from_usage: bool = False
 
 
 def workload(n: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
              seed: int) -> list[tuple[list[int], int]]:
-    """n (prompt ids, max_tokens) pairs, lengths uniform in the ranges (inclusive)."""
+    """n (prompt ids, max_tokens) pairs, lengths uniform in the ranges (inclusive), ids in
+    [10, vocab)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(*input_range))]
                for _ in range(n)]
     return [(p, rng.randint(*output_range)) for p in prompts]
 
 
-def one_request(host: str, port: int, prompt: list[int], max_tokens: int,
-                timeout: float) -> Result:
-    """One streamed /v1/completions request, timed chunk by chunk."""
-    body = json.dumps({"model": "any", "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}})
-    result, last = Result(), 0.0
+def request_body(backend: str, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "any", "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if backend == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+def chunk_text(backend: str, event: dict[str, Any]) -> str:
+    """The new text of one streamed chunk ("" for role-only, finish and usage chunks)."""
+    choices = event.get("choices") or [{}]
+    if backend == "chat":
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+def one_request(target: Target, prompt: list[int] | str, max_tokens: int) -> Result:
+    """One streamed request, timed chunk by chunk."""
+    body = json.dumps(request_body(target.backend, prompt, max_tokens))
+    result, last, done = Result(), 0.0, False
+    conn = http.client.HTTPConnection(target.host, target.port, timeout=target.timeout)
     start = time.perf_counter()
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        conn.request("POST", ENDPOINTS[target.backend], body,
+                     {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
             result.error = f"HTTP {resp.status}: {resp.read()[:200]!r}"
             return result
         for raw in resp:
             line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if not line.startswith("data:"):
                 continue
-            event, now = json.loads(line[6:]), time.perf_counter()
-            if any(c.get("text") for c in event.get("choices", [])):
+            data, now = line[5:].strip(), time.perf_counter()
+            result.e2e = now - start
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                result.error = f"error event: {json.dumps(event['error'])[:200]}"
+                return result
+            if chunk_text(target.backend, event):
                 if result.ttft == 0.0:
                     result.ttft = now - start
                 else:
@@ -71,43 +133,54 @@ def one_request(host: str, port: int, prompt: list[int], max_tokens: int,
                 last = now
             if event.get("usage"):
                 result.output_tokens = event["usage"]["completion_tokens"]
-                result.prompt_tokens = event["usage"]["prompt_tokens"]
-        result.e2e = time.perf_counter() - start
-        result.ok = result.output_tokens > 0
-        result.error = "" if result.ok else "no usage in the stream"
-    except OSError as e:
+                result.from_usage = True
+        if not done:
+            result.error = "the stream ended without [DONE]"
+        elif result.ttft == 0.0:
+            result.error = "no chunk with text"
+        else:
+            result.ok = True
+            if not result.from_usage:
+                result.output_tokens = max_tokens  # right only because ignore_eos is sent
+    except (OSError, ValueError) as e:  # ValueError: a chunk that is not JSON
         result.error = f"{type(e).__name__}: {e}"
     finally:
         conn.close()
     return result
 
 
-def run(args: argparse.Namespace, requests: list[tuple[list[int], int]]
+def run(target: Target, requests: list[tuple[list[int] | str, int]], rate: float,
+        max_concurrency: int = 0, seed: int = 0, progress: bool = True
         ) -> tuple[list[Result], float]:
-    """Sends the requests at their arrival times (Poisson at args.request_rate, all at once if
-    inf), at most args.max_concurrency in flight; returns the results and the duration."""
-    rng = random.Random(args.seed + 1)
+    """Sends the requests at their arrival times (Poisson at `rate` per second, all at once if
+    inf), at most max_concurrency in flight (0: no cap); returns the results and the duration,
+    from the first send to the last reply."""
+    rng = random.Random(seed + 1)
     results = [Result() for _ in requests]
-    slots = threading.BoundedSemaphore(args.max_concurrency or len(requests))
+    slots = threading.BoundedSemaphore(max_concurrency or len(requests))
+    bar = tqdm(total=len(requests), desc=f"rate {rate:g}", unit="req", file=sys.stderr,
+               disable=not progress, leave=False)
 
     def send(i: int) -> None:
         try:
-            prompt, max_tokens = requests[i]
-            results[i] = one_request(args.host, args.port, prompt, max_tokens, args.timeout)
+            results[i] = one_request(target, *requests[i])
         finally:
             slots.release()
+            bar.update()
 
     threads, start, due = [], time.perf_counter(), 0.0
     for i in range(len(requests)):
-        if args.request_rate != float("inf"):
-            due += rng.expovariate(args.request_rate)
+        if rate != INF:
+            due += rng.expovariate(rate)
             time.sleep(max(0.0, start + due - time.perf_counter()))
         slots.acquire()
         threads.append(threading.Thread(target=send, args=(i,), daemon=True))
         threads[-1].start()
     for t in threads:
         t.join()
-    return results, time.perf_counter() - start
+    duration = time.perf_counter() - start
+    bar.close()
+    return results, duration
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -120,47 +193,148 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def report(results: list[Result], duration: float) -> list[str]:
+def tpot(r: Result) -> float | None:
+    return (r.e2e - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
+
+
+def summarize(rate: float, results: list[Result], duration: float) -> dict[str, Any]:
+    """One row of the report: counts, throughputs, and p50/p99 of each latency in ms."""
     done = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in done)
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
-    series = {"TTFT": [r.ttft for r in done], "ITL": [x for r in done for x in r.itl],
-              "TPOT": tpot, "E2E": [r.e2e for r in done]}
-    lines = [f"requests: {len(done)} ok, {len(results) - len(done)} failed; duration "
-             f"{duration:.2f} s",
-             f"request throughput {len(done) / duration:.2f} req/s; output {out_tokens} tokens "
-             f"(from usage), {out_tokens / duration:.1f} tok/s; input "
-             f"{sum(r.prompt_tokens for r in done)} tokens"]
+    by_usage = sum(r.from_usage for r in done)
+    row: dict[str, Any] = {
+        "rate": "inf" if rate == INF else rate, "completed": len(done),
+        "failed": len(results) - len(done), "duration_s": duration,
+        "req_s": len(done) / duration, "out_tok_s": sum(r.output_tokens for r in done) / duration,
+        "output_len_source": ("usage" if done and by_usage == len(done)
+                              else "requested" if by_usage == 0 else "mixed")}
+    series = {"ttft": [r.ttft for r in done], "itl": [x for r in done for x in r.itl],
+              "tpot": [t for r in done if (t := tpot(r)) is not None],
+              "e2e": [r.e2e for r in done]}
     for name, xs in series.items():
-        lines.append(f"{name:<5} ms: mean {1e3 * statistics.fmean(xs) if xs else float('nan'):8.1f}"
-                     f"  p50 {1e3 * percentile(xs, 50):8.1f}  p99 {1e3 * percentile(xs, 99):8.1f}")
-    errors = sorted({r.error for r in results if not r.ok})
-    return lines + [f"error: {e}" for e in errors[:5]]
+        for q in (50, 99):
+            row[f"{name}_ms_p{q}"] = 1e3 * percentile(xs, q)
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        row["first_error"] = errors[0]
+    return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=1919)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="requests per second, Poisson arrivals; inf sends all at once")
-    parser.add_argument("--max-concurrency", type=int, default=0, help="0: no cap")
-    parser.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN",
-                                                                                     "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=[100, 1024],
-                        metavar=("MIN", "MAX"))
-    parser.add_argument("--vocab", type=int, default=10000, help="prompt ids are drawn below it")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600)
-    args = parser.parse_args()
-    requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len),
-                        args.vocab, args.seed)
-    results, duration = run(args, requests)
-    print(f"bench_serving: {args.num_prompts} requests, rate {args.request_rate}, max "
-          f"concurrency {args.max_concurrency or 'none'}, input {args.input_len}, output "
-          f"{args.output_len}, seed {args.seed}")
-    print("\n".join(report(results, duration)))
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows as text: one line per rate, then each failure's first error and the source of
+    the output lengths."""
+    head = (f"{'rate':>6} {'done':>5} {'fail':>4} {'dur s':>7} {'req/s':>7} {'tok/s':>8}"
+            + "".join(f" {n + ' p50':>9} {n + ' p99':>9}" for n in ("TTFT", "ITL", "TPOT", "E2E")))
+    lines = [head + "   (latencies in ms)"]
+    for r in rows:
+        lines.append(f"{r['rate']:>6} {r['completed']:>5} {r['failed']:>4} {r['duration_s']:>7.2f}"
+                     f" {r['req_s']:>7.2f} {r['out_tok_s']:>8.1f}"
+                     + "".join(f" {r[f'{n}_ms_p50']:>9.1f} {r[f'{n}_ms_p99']:>9.1f}"
+                               for n in ("ttft", "itl", "tpot", "e2e")))
+    for r in rows:
+        if r["failed"]:
+            lines.append(f"rate {r['rate']}: {r['failed']} failed; first error: {r['first_error']}")
+    for source in sorted({r["output_len_source"] for r in rows}):
+        rates = ", ".join(str(r["rate"]) for r in rows if r["output_len_source"] == source)
+        lines.append(f"{SOURCES[source]} (rates {rates})")
+    return lines
+
+
+def machine() -> str:
+    """This machine: its GPUs if nvidia-smi names some, else its CPU model and logical CPUs."""
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.split("\n")
+        gpus = [g.strip() for g in out if g.strip()]
+        if gpus:
+            return f"{len(gpus)} x {gpus[0]}" if len(gpus) > 1 else gpus[0]
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs"
+
+
+def parse_rate(text: str) -> float:
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a rate must be > 0 or inf, not {text}")
+    return rate
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=1919)
+    p.add_argument("--backend", choices=list(ENDPOINTS), default="completions",
+                   help="completions: token ids to /v1/completions; chat: their text (needs "
+                   "--tokenizer) to /v1/chat/completions")
+    p.add_argument("--tokenizer", help="a Hugging Face folder whose tokenizer turns ids into text")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--request-rates", "--request-rate", type=parse_rate, nargs="+",
+                   default=[INF], metavar="RATE",
+                   help="requests per second, Poisson arrivals; inf sends all at once; each "
+                   "rate is one run, one after another")
+    p.add_argument("--max-concurrency", type=int, default=0, help="0: no cap")
+    p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024],
+                   metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024],
+                   metavar=("MIN", "MAX"))
+    p.add_argument("--vocab", type=int, default=10000, help="prompt ids are drawn below it")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--ready-timeout", type=float, default=600,
+                   help="seconds to retry the warm-up while the server starts (refused, 503)")
+    p.add_argument("--json", help="write the report to this file")
+    p.add_argument("--label", default="ours", help="the server's name in the JSON report")
+    p.add_argument("--machine", help="the server's machine in the JSON report; default: this one")
+    a = p.parse_args(argv)
+    if a.backend == "chat" and not a.tokenizer:
+        p.error("--backend chat needs --tokenizer, to turn the prompt ids into text")
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the benchmark, prints the table, writes --json; returns the report."""
+    a = parse_args(argv)
+    target = Target(a.host, a.port, a.backend, a.timeout)
+    pairs = workload(a.num_prompts, tuple(a.input_len), tuple(a.output_len), a.vocab, a.seed)
+    requests: list[tuple[list[int] | str, int]] = list(pairs)
+    if a.backend == "chat":  # as SGLang's random prompts: the ids' text, which re-tokenizes
+        from transformers import AutoTokenizer  # to about as many tokens, plus the template's
+
+        tok = AutoTokenizer.from_pretrained(a.tokenizer)
+        requests = [(tok.decode(ids, skip_special_tokens=True), n) for ids, n in pairs]
+    deadline = time.perf_counter() + a.ready_timeout
+    while not (warm := one_request(target, requests[0][0][:8], 4)).ok:
+        # a server starting up refuses connections, then answers 503 until its engine is ready
+        starting = "HTTP 503" in warm.error or "Connection refused" in warm.error
+        if not starting or time.perf_counter() > deadline:
+            raise SystemExit(f"the warm-up request failed: {warm.error}")
+        time.sleep(1)
+    print(f"bench_serving: {a.backend} backend, {a.num_prompts} requests, max concurrency "
+          f"{a.max_concurrency or 'none'}, input {a.input_len}, output {a.output_len}, "
+          f"vocab {a.vocab}, seed {a.seed}", flush=True)
+    rows = [summarize(rate, *run(target, requests, rate, a.max_concurrency, a.seed))
+            for rate in a.request_rates]
+    print("\n".join(table(rows)))
+    report = {
+        "bench": "serving", "machine": a.machine or machine(),
+        "date": datetime.date.today().isoformat(),
+        "versions": {"python": platform.python_version(), "bench": "benchmark/bench_serving.py"},
+        "command": shlex.join(sys.argv if argv is None else ["benchmark/bench_serving.py", *argv]),
+        "server": a.label,
+        "workload": {"num_prompts": a.num_prompts, "input_len": a.input_len,
+                     "output_len": a.output_len, "vocab": a.vocab, "seed": a.seed,
+                     "backend": a.backend, "max_concurrency": a.max_concurrency},
+        "rows": [{k: (None if isinstance(v, float) and math.isnan(v) else v)
+                  for k, v in r.items()} for r in rows]}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+    return report
 
 
 if __name__ == "__main__":

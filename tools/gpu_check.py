@@ -577,6 +577,37 @@ def _gpu_time(fn: Callable[[], object], calls: int = 50) -> tuple[float, float]:
     return gpu, start.elapsed_time(end) * 1e3 / calls
 
 
+def check_sampler() -> list[str]:
+    """Chapter 21: the draw at temperature 0.6 with no top-k or top-p, on Qwen3's vocabulary
+    (151,936), at batch 1, 64 and 256: chapter 6's sorted draw (sample_from_probs) against the
+    draw without a sort (sample_without_cut), median of 50 calls each after a warm-up, CUDA
+    events; then the new draw's frequencies on the GPU against the float64 softmax."""
+    from minisgl.engine.sample import sample_from_probs, sample_without_cut
+
+    g = torch.Generator("cuda").manual_seed(0)
+    lines = ["info sampler: temperature 0.6, vocabulary 151936, float32 probabilities; ms per "
+             "draw of one token per row (the softmax before it is not timed)"]
+    for bs in (1, 64, 256):
+        logits = torch.randn(bs, 151936, device="cuda", generator=g) * 3
+        probs = torch.softmax(logits / 0.6, dim=-1)
+        old = _median_ms(lambda p=probs: sample_from_probs(p, None, None, g), True, 50)
+        new = _median_ms(lambda p=probs: sample_without_cut(p, g), True, 50)
+        lines.append(f"info   batch {bs:3d}: sorted {old:7.3f} ms, without a sort {new:7.3f} ms"
+                     f" ({old / new:.1f}x)")
+    expected = torch.softmax(torch.tensor([2.0, 1.6, 1.1, 0.9, 0.3, -0.2, -1.0, -3.0],
+                                          dtype=torch.float64) / 0.8, dim=-1)
+    probs = expected.float().cuda().expand(100_000, 8).contiguous()
+    counts = sum(torch.bincount(sample_without_cut(probs, g), minlength=8).double().cpu()
+                 for _ in range(4))
+    exp = expected * 400_000
+    chi2 = float(((counts - exp) ** 2 / exp).sum())
+    p_value = float(torch.special.gammaincc(torch.tensor(3.5), torch.tensor(chi2 / 2)))
+    lines.append(f"{'ok  ' if p_value > 1e-3 else 'FAIL'} sampler without a sort on the GPU: "
+                 f"400,000 draws from 8 tokens, chi-square {chi2:.1f} with 7 degrees of freedom,"
+                 f" p = {p_value:.3f} (fails below 1e-3)")
+    return lines
+
+
 def check_kernels() -> list[str]:
     """Chapter 19: our CUDA kernels compiled by nvcc for this GPU. Each against the torch ops it
     replaces: equal (float32: to rounding; bfloat16: within two roundings, counted), then timed
@@ -817,14 +848,51 @@ def check_moe(device: str, model: Path | None, reps: int) -> list[str]:
         lines.append(f"info   {n:6d} {hit:11d} {mb:10.1f} {ms['torch']:9.3f} "
                      f"{ms['triton']:9.3f} {ms['torch'] / ms['triton']:11.1f}x "
                      f"{mb / ms['triton']:11.0f}")
+    if cuda:
+        lines += _moe_profile(backends, shape)
     lines += _moe_generate(device, model)
     return lines
 
 
+def _moe_profile(backends: dict, shape: dict, tokens: int = 1) -> list[str]:
+    """Where the triton layer's time goes at a few tokens: the layer replayed from a CUDA graph
+    (no host work), then a profile of 20 eager calls, kernels ranked by GPU time."""
+    layer = _moe_layer(tokens, **shape, dtype=torch.bfloat16, device="cuda", seed=tokens)
+    run = {b: (lambda b=b: backends[b].forward(*layer, shape["top_k"], True)) for b in backends}
+    lines = []
+    for name, fn in run.items():
+        try:
+            for _ in range(3):
+                fn()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            ms = _median_ms(graph.replay, True, 50)
+            lines.append(f"info moe {name} layer at {tokens} token(s), replayed from a CUDA "
+                         f"graph: {ms:.3f} ms (eager: {_median_ms(fn, True, 50):.3f} ms)")
+        except Exception as exc:  # noqa: BLE001 (the torch loop reads the host: not capturable)
+            lines.append(f"info moe {name} layer: no CUDA graph ({type(exc).__name__})")
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                              torch.profiler.ProfilerActivity.CPU])
+    with prof:
+        for _ in range(20):
+            run["triton"]()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    busy = sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / 1e3
+    lines.append(f"info profile moe triton, {tokens} token(s), 20 eager calls: GPU busy "
+                 f"{busy:.2f} ms, i.e. {busy / 20:.3f} ms per call")
+    lines += [f"info   {e.device_time_total / 1e3:8.3f} ms {e.count:5d} calls  {e.key[:80]}"
+              for e in events if e.device_type.name == "CUDA"][:10]
+    return lines
+
+
 def _moe_generate(device: str, model: Path | None) -> list[str]:
-    """(c): the model generating 4 prompts with each backend; on the GPU with CUDA graphs for
-    triton (torch turns them off) and bfloat16; teacher-forced logits compared while the
-    tokens agree."""
+    """(c): the model generating 4 prompts with each backend, greedy; on the GPU in bfloat16
+    with CUDA graphs for triton (torch turns them off), both against the torch backend in
+    float32, the reference (a bf16 run against a bf16 run compounds two errors); on the CPU
+    triton against torch in float32. Logits compared while the tokens agree."""
     cuda = device == "cuda"
     if model is None:
         model = ROOT / "models" / "tiny-qwen3-moe"
@@ -839,34 +907,41 @@ def _moe_generate(device: str, model: Path | None) -> list[str]:
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 130, 17)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     dtype = torch.bfloat16 if cuda else torch.float32
+    plan = [("torch", torch.float32)] + [(b, dtype) for b in ("torch", "triton")
+                                         if cuda or b == "triton"]
     runs = {}
-    for backend in ("torch", "triton"):
-        llm = LLM(str(model), dtype=dtype, device=device, moe_backend=backend,
+    for backend, dt in plan:
+        llm = LLM(str(model), dtype=dt, device=device, moe_backend=backend,
                   num_page_override=4096, max_seq_len_override=512,
                   cuda_graph_max_bs=8 if cuda else 0)
         seen = spy_logits(llm.engine)
         start = time.perf_counter()
         out = [o["token_ids"] for o in llm.generate(prompts, params)]
-        runs[backend] = (out, [s.cpu() for s in seen], time.perf_counter() - start,
-                         llm.engine.graph_runner.sizes)
+        runs[backend, dt] = (out, [s.float().cpu() for s in seen], time.perf_counter() - start,
+                             llm.engine.graph_runner.sizes)
         llm.shutdown()
-    (ref, ref_logits, t_ref, _), (got, logits, t_got, sizes) = runs["torch"], runs["triton"]
-    errs = _relative_errors(got, ref, logits, ref_logits)
-    same = sum(a == b for a, b in zip(got, ref))
-    limit = BF16_TOL if cuda else 1e-5
-    ok = max(errs) <= limit and (same == len(prompts) or cuda)  # bf16 may flip a near-tie
-    return [f"{'ok  ' if ok else 'FAIL'} moe generate {model.name} {str(dtype)[6:]}: triton "
-            f"(graphs {sizes or 'off'}) vs torch: {same}/{len(prompts)} requests give all "
-            f"{params.max_tokens} tokens alike; relative logits error max {max(errs):.1e} over "
-            f"{len(errs)} teacher-forced steps (limit {limit:g}); first generate {t_got:.1f} s "
-            f"vs {t_ref:.1f} s"]
+    ref, ref_logits, t_ref, _ = runs["torch", torch.float32]
+    lines = []
+    for (backend, dt), (got, logits, t_got, sizes) in runs.items():
+        if dt == torch.float32 and backend == "torch":
+            continue
+        errs = _relative_errors(got, ref, logits, ref_logits)
+        same = sum(a == b for a, b in zip(got, ref))
+        limit = BF16_TOL if dt == torch.bfloat16 else 1e-5
+        ok = max(errs) <= limit and (same == len(prompts) or dt == torch.bfloat16)
+        lines.append(f"{'ok  ' if ok else 'FAIL'} moe generate {model.name}: {backend} "
+                     f"{str(dt)[6:]} (graphs {sizes or 'off'}) vs torch float32: {same}/"
+                     f"{len(prompts)} requests give all {params.max_tokens} tokens alike; "
+                     f"relative logits error max {max(errs):.1e} over {len(errs)} steps "
+                     f"(limit {limit:g}); first generate {t_got:.1f} s vs {t_ref:.1f} s")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checks", nargs="+", choices=["stage1", "align", "bf16", "speed",
                                                       "tp1", "fi", "graph", "steps", "serve",
-                                                      "kernels", "ksteps", "moe"])
+                                                      "kernels", "ksteps", "moe", "sampler"])
     parser.add_argument("--attn", default="fi", help="speed: our attention backend")
     parser.add_argument("--model", type=Path, help="a Qwen3-0.6B-shaped model (bf16, speed)")
     parser.add_argument("--requests", type=int, default=64)
@@ -918,6 +993,8 @@ def main() -> None:
             lines += check_kernels()
         elif check == "ksteps":
             lines += check_kernel_steps(args.model, args.rounds)
+        elif check == "sampler":
+            lines += check_sampler()
         elif check == "moe":
             lines += check_moe("cuda", args.moe_model, reps=max(20, 4 * args.rounds))
         print("\n".join(lines[-1:]), flush=True)

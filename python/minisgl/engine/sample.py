@@ -1,4 +1,5 @@
-"""The Sampler: greedy fast path; temperature / top-k / top-p per request (chapter 6)."""
+"""The Sampler: greedy fast path; temperature / top-k / top-p per request (chapter 6; the
+draw without a sort in chapter 21)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,16 @@ def sample_from_probs(probs: torch.Tensor, top_k: torch.Tensor | None,
     return order.gather(-1, choice).squeeze(-1)
 
 
+def sample_without_cut(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row when no request cuts by k or p: argmax of p_i / E_i with E_i drawn from
+    Exp(1), which picks i with probability p_i (the smallest of the E_i / p_i, independent
+    exponentials of rates p_i, is i's with probability p_i). Two passes over the row and no
+    sort of the vocabulary, which cost 2.3 ms per step at batch 256 (chapter 21's profile)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a draw of exactly 0 would give 0 / 0
+    return (probs / noise).argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, device: torch.device, vocab_size: int, seed: int) -> None:
         self.device = device
@@ -62,4 +73,6 @@ class Sampler:
         if args.temperatures is None:
             return logits.argmax(dim=-1)
         probs = torch.softmax(logits.float() / args.temperatures[:, None], dim=-1)
+        if args.top_k is None and args.top_p is None:
+            return sample_without_cut(probs, self.generator)
         return sample_from_probs(probs, args.top_k, args.top_p, self.generator)

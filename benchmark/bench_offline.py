@@ -1,0 +1,406 @@
+"""Offline throughput on nano-vllm's workload, ours against the official and HF (chapter 21).
+
+    python benchmark/bench_offline.py --model models/SmolLM2-135M-Instruct --requests 8 \\
+        --input-len 16 64 --output-len 8 32 --group ours:torch:eager:on ours:torch:eager:off
+
+The workload is nano-vllm's `bench.py`, which the official `benchmark/offline/bench.py` copies:
+random.seed(0), every prompt drawn first (ids in 0..10000, length uniform in --input-len), then
+every max_tokens (uniform in --output-len); temperature 0.6 and ignore_eos. With the defaults
+(256 requests, 100..1024 both) it asks for 133,966 output tokens.
+
+A configuration is ENGINE:ATTN:GRAPH:OVERLAP, e.g. `ours:fi:graph:on`, `official:fi:graph:on`,
+`ours:torch:eager:off`, or `hf` (transformers' continuous batching). Each runs in its own worker
+process: ours imports `minisgl` from python/, the official from --official (its python/ folder),
+never both in one process. The workers of one --group live at the same time and take their
+timed runs in turns (the order rotates each round), so drift hits them alike; the KV pool of
+every minisgl worker is sized to hold the whole workload, the same for both engines.
+
+Each row: median seconds of the timed runs, output tokens counted from the outputs, output
+tok/s, the median gap between two result hand-offs of the scheduler (one per step: the decode
+step, since decode steps far outnumber prefills), peak memory allocated by torch, start-up time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TAG = "@@bench "  # a worker's lines for the driver start with it; everything else is its log
+
+
+def workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int],
+             max_id: int = 10000, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's draws, in its order: all prompts first (ids in 0..max_id), then all output
+    lengths."""
+    random.seed(seed)
+    prompts = [[random.randint(0, max_id) for _ in range(random.randint(*input_len))]
+               for _ in range(n)]
+    return prompts, [random.randint(*output_len) for _ in range(n)]
+
+
+def the_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    return workload(args.requests, args.input_len, args.output_len, args.max_id)
+
+
+def _cuda() -> Any:
+    import torch
+
+    return torch.cuda if torch.cuda.is_available() else None
+
+
+def _sync() -> None:
+    if cuda := _cuda():
+        cuda.synchronize()
+
+
+class MinisglWorker:
+    """LLM.generate of whichever minisgl is on the path (ours or the official: same API)."""
+
+    def __init__(self, args: argparse.Namespace, attn: str, graph: bool) -> None:
+        from minisgl.core import SamplingParams
+        from minisgl.llm import LLM
+
+        self.prompts, self.lens = the_workload(args)
+        self.params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=k)
+                       for k in self.lens]
+        self.sp = SamplingParams
+        pool = sum(map(len, self.prompts)) + sum(self.lens) + 4096  # the whole workload fits
+        config: dict[str, Any] = dict(max_seq_len_override=4096, max_extend_tokens=16384,
+                                      page_size=1, cache_type="naive", attention_backend=attn,
+                                      cuda_graph_max_bs=(256 if graph else 0))
+        if _cuda():
+            config["num_page_override"] = pool
+        self.llm = LLM(args.model, **config)
+        self.stamps: list[float] = []
+        self.window: tuple[int, int, Any] | None = None  # (first step, last step, profiler)
+        inner = self.llm.send_result
+
+        def stamped(replies: Any) -> None:  # one call per scheduled batch, in both engines
+            self.stamps.append(time.perf_counter())
+            if self.window and len(self.stamps) in self.window[:2]:
+                prof = self.window[2]
+                prof.start() if len(self.stamps) == self.window[0] else prof.stop()
+            inner(replies)
+
+        self.llm.send_result = stamped  # type: ignore[method-assign]
+        # warm-up: a few requests of the workload's shapes and sampling (a greedy warm-up left
+        # FlashInfer's sampling kernels to be compiled inside the official's first timed run)
+        self.llm.generate(self.prompts[:16], self.sp(temperature=0.6, max_tokens=32,
+                                                     ignore_eos=True))
+
+    def run(self) -> dict[str, Any]:
+        if cuda := _cuda():
+            cuda.reset_peak_memory_stats()
+        self.stamps.clear()
+        _sync()
+        start = time.perf_counter()
+        outs = self.llm.generate(self.prompts, self.params)
+        _sync()
+        seconds = time.perf_counter() - start
+        gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+        return {"seconds": seconds, "output_tokens": sum(len(o["token_ids"]) for o in outs),
+                "step_ms_p50": statistics.median(gaps) * 1e3 if gaps else None,
+                "steps": len(self.stamps),
+                "peak_gib": cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+    def profile(self, first: int = 300, steps: int = 50) -> dict[str, Any]:
+        """The workload again, with the profiler on from step `first` for `steps` steps (mid-run,
+        every request admitted): GPU busy time against wall time, kernels ranked."""
+        import torch
+
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        self.window = (first, first + steps, prof)
+        self.run()
+        self.window = None
+        if len(self.stamps) < first + steps:
+            raise RuntimeError(f"the run had {len(self.stamps)} steps, fewer than {first + steps}")
+        wall = (self.stamps[first + steps - 1] - self.stamps[first - 1]) * 1e3
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        events.sort(key=lambda e: -e.device_time_total)
+        return {"steps": steps, "wall_ms": wall,
+                "gpu_busy_ms": sum(e.device_time_total for e in events) / 1e3,
+                "kernels": [[e.key[:90], e.device_time_total / 1e3, e.count]
+                            for e in events[:15]]}
+
+    def latency(self, prompt_len: int = 256, new_tokens: int = 256) -> dict[str, Any]:
+        """One request: the time of `new_tokens` tokens, and the step from two runs' difference."""
+        prompt = self.prompts[0][:prompt_len]
+        times = {}
+        for k in (1, new_tokens):
+            _sync()
+            start = time.perf_counter()
+            self.llm.generate([prompt], self.sp(temperature=0.6, max_tokens=k, ignore_eos=True))
+            _sync()
+            times[k] = time.perf_counter() - start
+        return {"seconds": times[new_tokens], "output_tokens": new_tokens,
+                "step_ms_p50": (times[new_tokens] - times[1]) / (new_tokens - 1) * 1e3}
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+class HFWorker:
+    """transformers' continuous batching (the manager behind generate_batch), greedy, bf16."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+        import transformers
+
+        self.prompts, self.lens = the_workload(args)
+        dtype = torch.bfloat16 if _cuda() else torch.float32
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+        self.model.to("cuda" if _cuda() else "cpu").eval()
+        # no EOS: every request runs to its max_new_tokens, as ignore_eos does for the others
+        self.gc = transformers.GenerationConfig(do_sample=False, eos_token_id=None,
+                                                pad_token_id=0, max_new_tokens=max(self.lens))
+        self.timeout = args.hf_timeout
+        self._generate(self.prompts[:16], [32] * 16)
+
+    def _generate(self, prompts: list[list[int]], lens: list[int]) -> int:
+        manager = self.model.init_continuous_batching(generation_config=self.gc)
+        manager.start()
+        deadline, done, tokens = time.perf_counter() + self.timeout, 0, 0
+        try:
+            for p, k in zip(prompts, lens):
+                manager.add_request(p, max_new_tokens=k)
+            while done < len(prompts):
+                if time.perf_counter() > deadline or not manager.is_running():
+                    raise RuntimeError(f"HF stopped after {done}/{len(prompts)} requests")
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    done, tokens = done + 1, tokens + len(result.generated_tokens)
+        finally:
+            manager.stop(block=True)
+        return tokens
+
+    def run(self) -> dict[str, Any]:
+        if cuda := _cuda():
+            cuda.reset_peak_memory_stats()
+        _sync()
+        start = time.perf_counter()
+        tokens = self._generate(self.prompts, self.lens)
+        _sync()
+        return {"seconds": time.perf_counter() - start, "output_tokens": tokens,
+                "step_ms_p50": None, "steps": None,
+                "peak_gib": cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+    def close(self) -> None:
+        pass
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """Serve the driver: `run`, `latency` and `quit` on stdin, one tagged JSON line each."""
+    engine, attn, graph, overlap = (args.worker.split(":") + ["", "", ""])[:4]
+    start = time.perf_counter()
+    if engine == "hf":
+        worker: MinisglWorker | HFWorker = HFWorker(args)
+    else:
+        os.environ["MINISGL_DISABLE_OVERLAP_SCHEDULING"] = "1" if overlap == "off" else "0"
+        worker = MinisglWorker(args, attn, graph == "graph")
+    print(TAG + json.dumps({"startup_s": time.perf_counter() - start,
+                            "versions": versions(engine)}), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "quit":
+            break
+        if command == "profile" and isinstance(worker, MinisglWorker):
+            result = worker.profile()
+        else:
+            result = worker.latency() if command == "latency" else worker.run()
+        print(TAG + json.dumps(result), flush=True)
+    worker.close()
+
+
+def versions(engine: str) -> dict[str, str]:
+    """The packages a worker ran with, the minisgl one named by where it came from."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("torch", "transformers", "flashinfer-python", "triton"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    if engine != "hf":
+        import minisgl
+
+        where = Path(list(minisgl.__path__)[0]).parent.name  # the official has no __init__.py
+        out["minisgl"] = f"{engine}, from {where}/"
+    return out
+
+
+@dataclass
+class Worker:
+    """The driver's handle on one worker process."""
+    config: str
+    proc: subprocess.Popen
+
+    def ask(self, command: str | None = None) -> dict[str, Any]:
+        assert self.proc.stdin and self.proc.stdout
+        if command:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG):])
+            sys.stderr.write(line)
+        raise RuntimeError(f"worker {self.config} exited with {self.proc.wait()}")
+
+
+def spawn(config: str, args: argparse.Namespace) -> Worker:
+    engine = config.split(":")[0]
+    if engine == "official" and not args.official:
+        raise SystemExit("official configurations need --official PATH (its python/ folder)")
+    ours = ROOT / "python" if (ROOT / "python").is_dir() else ROOT  # the repo, or a chapter tree
+    package = Path(args.official) if engine == "official" else ours
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                 if p and Path(p).resolve() != ours.resolve()]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package), *inherited]))
+    argv = [sys.executable, __file__, "--worker", config, "--model", args.model,
+            "--requests", str(args.requests), "--hf-timeout", str(args.hf_timeout),
+            "--max-id", str(args.max_id), "--input-len", *map(str, args.input_len),
+            "--output-len", *map(str, args.output_len)]
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, bufsize=1)
+    return Worker(config, proc)
+
+
+def run_group(configs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Start the group's workers, then `args.rounds` rounds of one timed run each, in turns."""
+    from tqdm import tqdm
+
+    workers = [spawn(c, args) for c in configs]
+    rows = {w.config: {"config": w.config, **w.ask(), "runs": []} for w in workers}
+    rounds = 1 if configs == ["hf"] else args.rounds
+    with tqdm(total=rounds * len(workers), desc=" ".join(configs), file=sys.stderr) as bar:
+        for r in range(rounds):
+            for w in workers[r % len(workers):] + workers[:r % len(workers)]:
+                rows[w.config]["runs"].append(w.ask("run"))
+                bar.update()
+        for w in workers:
+            if args.latency and not w.config.startswith("hf"):
+                rows[w.config]["latency"] = [w.ask("latency") for _ in range(args.rounds)]
+            if args.profile and not w.config.startswith("hf"):
+                rows[w.config]["profile"] = w.ask("profile")
+    for w in workers:
+        assert w.proc.stdin
+        w.proc.stdin.write("quit\n")
+        w.proc.stdin.flush()
+        w.proc.wait()
+    return [summarise(row) for row in rows.values()]
+
+
+def summarise(row: dict[str, Any]) -> dict[str, Any]:
+    runs = row.pop("runs")
+    out = {**row, "seconds": statistics.median(r["seconds"] for r in runs),
+           "seconds_all": [round(r["seconds"], 3) for r in runs],
+           "output_tokens": runs[0]["output_tokens"],
+           "peak_gib": max((r["peak_gib"] or 0) for r in runs) or None}
+    out["tok_s"] = out["output_tokens"] / out["seconds"]
+    steps = [r["step_ms_p50"] for r in runs if r["step_ms_p50"] is not None]
+    out["step_ms_p50"] = statistics.median(steps) if steps else None
+    if lat := row.pop("latency", None):
+        out["latency"] = {"tok_s": statistics.median(r["output_tokens"] / r["seconds"]
+                                                     for r in lat),
+                          "step_ms": statistics.median(r["step_ms_p50"] for r in lat),
+                          "runs": len(lat)}
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = [f"{'configuration':<26} {'seconds':>8} {'out tok':>8} {'tok/s':>8} {'step p50':>9}"
+             f" {'peak GiB':>8} {'start s':>7}  batch 1 (tok/s, ms/step)"]
+    for r in rows:
+        lat = r.get("latency")
+        one = f"{lat['tok_s']:.0f}, {lat['step_ms']:.2f}" if lat else "-"
+        lines.append(f"{r['config']:<26} {r['seconds']:8.2f} {r['output_tokens']:8d} "
+                     f"{r['tok_s']:8.0f} {num(r['step_ms_p50'], '9.2f')} "
+                     f"{num(r['peak_gib'], '8.1f')} {r['startup_s']:7.1f}  {one}")
+    return lines
+
+
+def machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+             if ln.startswith("model name")]
+    return f"{names[0] if names else 'CPU'}, {os.cpu_count()} logical CPUs"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--group", action="append", nargs="+", default=[], metavar="CONFIG",
+                        help="configurations run side by side (repeat for more groups)")
+    parser.add_argument("--official", default="", help="the official's python/ folder")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
+    parser.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
+    parser.add_argument("--max-id", type=int, default=10000, help="prompt ids are 0..max-id")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--latency", action="store_true",
+                        help="also one request of 256 tokens (batch 1), `rounds` times")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile 50 decode steps mid-run (GPU busy vs wall, kernels)")
+    parser.add_argument("--hf-timeout", type=float, default=600)
+    parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker_main(args)
+    prompts, lens = the_workload(args)
+    head = (f"workload: {args.requests} requests, prompts {sum(map(len, prompts))} tokens, "
+            f"outputs {sum(lens)} tokens asked; {args.rounds} rounds per group, in turns")
+    print(head, flush=True)
+    rows = []
+    for group in args.group:
+        rows += run_group(group, args)
+        print("\n".join(table(rows[-len(group):])), flush=True)
+        for row in rows[-len(group):]:
+            if prof := row.get("profile"):
+                print(f"profile {row['config']}: {prof['steps']} steps mid-run, wall "
+                      f"{prof['wall_ms']:.1f} ms, GPU busy {prof['gpu_busy_ms']:.1f} ms")
+                for name, ms, calls in prof["kernels"]:
+                    print(f"  {ms:9.2f} ms {calls:6d} calls  {name}")
+        if args.json:
+            write_json(args, rows, sum(lens))
+    lines = [head, *table(rows)]
+    print("\n".join(lines))
+    if args.json:
+        write_json(args, rows, sum(lens))
+
+
+def write_json(args: argparse.Namespace, rows: list[dict[str, Any]], asked: int) -> None:
+    import torch
+
+    result = {"bench": "offline", "machine": machine(), "date": date.today().isoformat(),
+              "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
+              "command": shlex.join(["python", *sys.argv]),
+              "workload": {"requests": args.requests, "input_len": args.input_len,
+                           "output_len": args.output_len, "asked": asked},
+              "rows": rows}
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Chapter 21's GPU runs, as they were run on an H200: bash benchmark/h200.sh PART OUT
+#   PART: offline, profile, ablate, hf, moe, serve (see each below)
+#   OUT:  a folder for the results (JSON + the printed text)
+# Needs: flashinfer-python 0.5.3 and the server's packages importable (the wheels went to a
+# folder on PYTHONPATH); Q06: the random Qwen3-0.6B shape, made if missing; OFFICIAL: the
+# official's python/ folder at 20fcd7f (git archive 20fcd7f python | tar -x).
+set -uo pipefail
+PART=$1 OUT=$2
+Q06=${Q06:-/tmp/q06} OFFICIAL=${OFFICIAL:?the official python/ folder at 20fcd7f}
+export PYTHONUNBUFFERED=1
+quiet() { grep --line-buffered -v "loading weights\|capturing graphs\|it/s\]\|s/it\]"; }
+[ -f "$Q06/config.json" ] || python tools/models.py random --arch qwen3 --preset 0.6b \
+    --out "$Q06" --dtype bfloat16 --device cuda 2>&1 | tail -1
+
+offline() {  # NAME ROUNDS GROUP... : one bench_offline run, its text and JSON kept
+    local name=$1 rounds=$2; shift 2
+    echo "# python benchmark/bench_offline.py --model q06 --rounds $rounds $* ($(date -I))" \
+        > "$OUT/$name.txt"
+    python benchmark/bench_offline.py --model "$Q06" --official "$OFFICIAL" --rounds "$rounds" \
+        "$@" --json "$OUT/$name.json" 2>&1 | quiet | tee -a "$OUT/$name.txt"
+}
+
+serve() {  # LABEL PACKAGE_DIR : start that server, run the serving bench, stop it
+    local label=$1 port=1919
+    PYTHONPATH=$2:$PYTHONPATH setsid python -m minisgl --model "$Q06" --attn fi --port $port \
+        > "$OUT/server-$label.log" 2>&1 &
+    local pid=$! start=$SECONDS
+    until python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/v1/models')" \
+        2> /dev/null; do
+        sleep 2
+        if ((SECONDS - start > 400)) || ! kill -0 $pid 2> /dev/null; then
+            echo "server $label did not come up"; tail -5 "$OUT/server-$label.log"; return
+        fi
+    done
+    echo "server $label ready in $((SECONDS - start)) s"
+    python benchmark/bench_serving.py --port $port --backend chat --tokenizer "$Q06" --vocab 500 \
+        --num-prompts 64 --input-len 100 1024 --output-len 100 1024 --request-rates 8 inf \
+        --label "$label" --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+        --json "$OUT/serve-$label.json" 2>&1 | quiet | tee "$OUT/serve-$label.txt"
+    kill -TERM -- -$pid; sleep 15; pkill -9 -g $pid && echo "server $label: killed after SIGTERM"
+    wait $pid; echo "server $label exit code $?"
+}
+
+case $PART in
+offline)  # the comparison: ours and the official side by side, overlap on and off
+    offline ch21_offline 3 --latency --group ours:fi:graph:on official:fi:graph:on \
+        --group ours:fi:graph:off official:fi:graph:off
+    ;;
+profile)  # one more round of each, and 50 decode steps of each profiled mid-run
+    offline ch21_profile 1 --profile --group ours:fi:graph:on official:fi:graph:on
+    ;;
+ablate)  # the rungs below: FlashInfer without graphs, the torch backend
+    offline ch21_ablate 1 --group ours:fi:eager:on ours:torch:eager:on
+    ;;
+hf)  # HF's continuous batching beside ours, on 64 requests of the same distribution
+    offline ch21_hf 1 --requests 64 --group hf ours:fi:graph:on
+    ;;
+moe)
+    [ -f /tmp/moe/config.json ] || python tools/models.py random --arch qwen3-moe \
+        --preset 30b-a3b --layers 4 --out /tmp/moe --dtype bfloat16 --device cuda 2>&1 | tail -1
+    python tools/gpu_check.py moe --moe-model /tmp/moe --rounds 5 2>&1 | quiet \
+        | tee "$OUT/ch21_moe.txt"
+    ;;
+serve)
+    serve ours "$PWD/python"
+    serve official "$OFFICIAL"
+    ;;
+esac

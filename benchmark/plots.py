@@ -1,0 +1,332 @@
+"""The figures of chapter 21 (which introduces this script), drawn from committed results files.
+
+    python benchmark/plots.py            # writes docs/assets/ch21/{throughput,latency,step}.svg
+    python benchmark/plots.py --check    # redraws into a temporary folder; exit 1 if any differs
+
+throughput.svg: offline output tok/s per configuration on the H200 (bench_offline.py).
+latency.svg: TTFT, ITL and E2E p50/p99 per arrival rate (bench_serving.py); one colour
+per results file, so a later file (say the H200, ours and the official) is one more entry of
+SERVING. step.svg: where a decode step's GPU time goes, ours against the official, from the
+kernel profile of bench_offline.py --profile.
+
+The SVGs keep matplotlib's path glyphs (svg.fonttype "path"), so their Chinese renders on any
+machine without the font; a fixed hash salt and no date make a rerun byte-identical with the
+same matplotlib (pinned in constraints.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import re
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+from matplotlib import font_manager
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmark" / "results"
+OUT = ROOT / "docs" / "assets" / "ch21"
+CJK_FONT = "Noto Sans CJK SC"
+WIDTH = 8.3  # inches: 600 pt, about 800 px at a page's width
+OURS, OFFICIAL = "#1f77b4", "#d95f02"
+SERIES = [OURS, OFFICIAL, "#2ca02c", "#7b3294", "#8c564b"]  # one per serving file, in turn
+
+
+@dataclass(frozen=True)
+class Serving:
+    """One serving results file and what its JSON does not say: the model, and a short name of
+    the device (its JSON's `machine` is the long one)."""
+
+    file: str
+    model: str
+    device: str
+
+    def label(self, report: dict[str, Any]) -> str:
+        return f"{report['server']} · {self.model}（{self.device}）"
+
+
+SERVING = [Serving("2026-12-02-cpu-ch21_serving.json", "SmolLM2-135M-Instruct", "CPU")]
+
+# (label, source file, configuration): the bars of throughput.svg, top to bottom
+BARS = [
+    ("ours torch 后端 (eager, 重叠开)", "2026-12-02-h200-ch21_ablate.json", "ours:torch:eager:on"),
+    ("ours FlashInfer (eager, 重叠开)", "2026-12-02-h200-ch21_ablate.json", "ours:fi:eager:on"),
+    ("ours FlashInfer+图 (重叠关)", "2026-12-02-h200-ch21_offline.txt", "ours:fi:graph:off"),
+    ("ours FlashInfer+图+重叠", "2026-12-02-h200-ch21_offline.txt", "ours:fi:graph:on"),
+    ("官方 FlashInfer+图 (重叠关)", "2026-12-02-h200-ch21_offline.txt", "official:fi:graph:off"),
+    ("官方 FlashInfer+图+重叠", "2026-12-02-h200-ch21_offline.txt", "official:fi:graph:on"),
+]
+FLOOR_TOK_S = 40_000  # the chapter's estimate from KV and weight reads per step
+PROFILE = "2026-12-02-h200-ch21_profile.json"  # its tok/s are not plotted: see step()
+
+# (category, colour, pattern of kernel names); the first match wins, "其他" takes the rest
+CATEGORIES = [
+    ("注意力", "#4e79a7", r"BatchDecode|BatchPrefill"),
+    ("矩阵乘", "#f28e2b", r"nvjet|gemm|cutlass"),
+    ("采样", "#e15759", r"radix_sort|RadixSort|softmax|sampling|fill_reverse_indices|multinomial"
+                       r"|exponential"),
+    ("归一化", "#76b7b2", r"rms_?norm"),
+    ("RoPE", "#59a14f", r"rope|rotary"),
+    ("激活", "#edc948", r"silu|act_and_mul"),
+    ("KV 写入", "#b07aa1", r"store_kv"),
+    ("其他", "#9c755f", r""),
+]
+OUTSIDE = ("前 15 之外", "#bab0ac")
+
+
+def setup_style() -> None:
+    """A CJK font by family name (warning if missing), sizes legible at page width, and the
+    settings that make the SVG output reproducible."""
+    try:
+        font_manager.findfont(font_manager.FontProperties(family=CJK_FONT),
+                              fallback_to_default=False)
+        families = [CJK_FONT, "DejaVu Sans"]
+    except ValueError:
+        warnings.warn(f"font {CJK_FONT!r} not found: Chinese text will show as boxes",
+                      stacklevel=2)
+        families = ["DejaVu Sans"]
+    plt.rcParams.update({
+        "font.family": families, "font.size": 10.5, "axes.titlesize": 11.5,
+        "axes.labelsize": 10.5, "xtick.labelsize": 10, "ytick.labelsize": 10.5,
+        "legend.fontsize": 10, "figure.titlesize": 12.5,
+        "axes.spines.top": False, "axes.spines.right": False,
+        "figure.facecolor": "white", "savefig.facecolor": "white",  # the book has a dark mode
+        "svg.fonttype": "path", "svg.hashsalt": "minisgl-ch21",
+    })
+
+
+def save(fig: Figure, path: Path) -> None:
+    fig.savefig(path, format="svg", metadata={"Date": None, "Creator": "benchmark/plots.py"})
+    plt.close(fig)
+
+
+def caption(fig: Figure, text: str) -> None:
+    fig.text(0.01, 0.01, text, fontsize=9.5, color="#555555", ha="left", va="bottom")
+
+
+# --- throughput.svg -------------------------------------------------------------------------
+
+ROW = re.compile(r"^(\S+:\S+:\S+:\S+)\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
+
+
+def offline_table(path: Path) -> dict[str, dict[str, float]]:
+    """The rows of a bench_offline.py text table, by configuration (a table printed twice, per
+    group then all, gives each configuration once)."""
+    rows: dict[str, dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        if m := ROW.match(line):
+            s, tok, tok_s, step, peak, start = (float(x) for x in m.groups()[1:])
+            rows.setdefault(m[1], {"seconds": s, "output_tokens": tok, "tok_s": tok_s,
+                                   "step_ms_p50": step, "peak_gib": peak, "startup_s": start})
+    return rows
+
+
+def offline_rows(path: Path) -> dict[str, dict[str, Any]]:
+    """Rows by configuration from a bench_offline.py report, JSON or text."""
+    if path.suffix == ".json":
+        return {r["config"]: r for r in json.loads(path.read_text())["rows"]}
+    return offline_table(path)
+
+
+def throughput(path: Path) -> None:
+    loaded: dict[str, dict[str, dict[str, Any]]] = {}
+    labels, values, colours = [], [], []
+    for label, file, config in BARS:
+        rows = loaded.setdefault(file, offline_rows(RESULTS / file))
+        labels.append(label)
+        values.append(float(rows[config]["tok_s"]))
+        colours.append(OFFICIAL if config.startswith("official") else OURS)
+    fig, ax = plt.subplots(figsize=(WIDTH, 4.1))
+    y = range(len(labels))
+    ax.barh(y, values, color=colours, height=0.62)
+    for i, v in zip(y, values):
+        ax.text(v + 400, i, f"{v:,.0f}", va="center", fontsize=10.5)
+    ax.set_yticks(list(y), labels)
+    ax.invert_yaxis()
+    ax.axvline(FLOOR_TOK_S, color="#444444", ls="--", lw=1.2)
+    ax.text(FLOOR_TOK_S - 500, len(labels) - 0.55, "物理下限估计 ≈40k\n（KV 与权重读取）",
+            ha="right", va="bottom", fontsize=10, color="#444444")
+    ax.set_xlim(0, FLOOR_TOK_S * 1.06)
+    ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")
+    ax.set_xlabel("输出吞吐（tok/s，越高越好）")
+    ax.set_title("H200 · 随机权重 Qwen3-0.6B 形状 · nano-vllm 负载（256 请求）", loc="left")
+    caption(fig, "2026-12-02；中位数（3 轮），torch/eager 两行各 1 轮；"
+                 "蓝：ours，橙：官方 mini-sglang\n"
+                 "图 = CUDA 图；重叠 = CPU 与 GPU 重叠调度；数据："
+                 "benchmark/results/2026-12-02-h200-ch21_*")
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    save(fig, path)
+
+
+# --- latency.svg ----------------------------------------------------------------------------
+
+PANELS = [("TTFT（首 token）", ["ttft"]), ("ITL（token 间隔）", ["itl"]),
+          ("E2E（整个请求）", ["e2e"])]
+
+
+def rate_label(rate: float | str) -> str:
+    if rate == "inf":
+        return "∞\n（一次发完）"
+    return f"{float(rate):g}"
+
+
+def latency(path: Path, servings: list[Serving]) -> None:
+    reports = [(s, json.loads((RESULTS / s.file).read_text())) for s in servings]
+    rates: list[float | str] = []  # categorical x: every file's rates, in the order first seen
+    for _, rep in reports:
+        rates += [r["rate"] for r in rep["rows"] if r["rate"] not in rates]
+    x = {rate: i for i, rate in enumerate(rates)}
+    first_s, first = reports[0]
+    if len(reports) == 1:
+        notes = [first["machine"], workload_note(first)]
+    else:
+        notes = [line for s, rep in reports
+                 for line in (f"{s.label(rep)}：{rep['machine']}", "　" + workload_note(rep))]
+    # inches: title and legend rows and panel titles; panels; tick labels, x label, caption
+    rows = 1 if len(reports) == 1 else len(reports)
+    top, bottom = 0.7 + 0.27 * rows, 0.9 + 0.19 * len(notes)
+    height = top + 2.3 + bottom
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(WIDTH, height), sharex=True)
+    for ax, (title, metrics) in zip(axes, PANELS):
+        for k, (_, rep) in enumerate(reports):
+            colour = SERIES[k % len(SERIES)]
+            xs = [x[r["rate"]] for r in rep["rows"]]
+            for metric in metrics:
+                for q, ls, mk in (("p50", "-", "o"), ("p99", "--", "s")):
+                    ys = [r[f"{metric}_ms_{q}"] for r in rep["rows"]]
+                    ys = [float("nan") if v is None else v for v in ys]
+                    ax.plot(xs, ys, ls=ls, marker=mk, ms=4, color=colour, lw=1.6)
+        ax.set_title(title)
+        ax.set_xticks(range(len(rates)), [rate_label(r) for r in rates])
+        ax.set_xlim(-0.45, len(rates) - 0.55)  # room for the two-line label of "inf"
+        ax.set_ylim(bottom=0)
+        ax.grid(axis="y", color="#dddddd", lw=0.8)
+        ax.set_axisbelow(True)
+    axes[0].set_ylabel("毫秒")
+    legend_y = 1 - 0.4 / height
+    fig.legend(handles=[Line2D([], [], color="#333333", ls=ls, marker=mk, ms=4, label=q)
+                        for q, ls, mk in (("p50", "-", "o"), ("p99", "--", "s"))],
+               loc="upper right", ncol=2, frameon=False, bbox_to_anchor=(1, legend_y))
+    if len(reports) > 1:
+        fig.legend(handles=[Line2D([], [], color=SERIES[k % len(SERIES)], lw=3,
+                                   label=s.label(rep)) for k, (s, rep) in enumerate(reports)],
+                   loc="upper left", frameon=False, bbox_to_anchor=(0, legend_y))
+    title = (f"在线服务延迟 · {first_s.label(first)} · {first['date']}"
+             if len(reports) == 1 else f"在线服务延迟 · {first['date']}")
+    fig.suptitle(title, x=0.01, ha="left")
+    caption(fig, "\n".join(notes))
+    fig.supxlabel("请求到达率（请求/秒，泊松）", fontsize=10.5,
+                  y=(0.15 + 0.19 * len(notes)) / height, va="bottom")
+    fig.subplots_adjust(left=0.7 / WIDTH, right=1 - 0.3 / WIDTH, top=1 - top / height,
+                        bottom=bottom / height, wspace=0.35)
+    save(fig, path)
+
+
+def workload_note(report: dict[str, Any]) -> str:
+    """The workload of a serving report, and how many of its requests failed."""
+    wl = report["workload"]
+    (i0, i1), (o0, o1) = wl["input_len"], wl["output_len"]
+    failed = sum(r["failed"] for r in report["rows"])
+    return (f"每个到达率 {wl['num_prompts']} 个请求，输入 {i0}–{i1}、输出 {o0}–{o1} token，"
+            f"失败 {failed} 个")
+
+
+# --- step.svg -------------------------------------------------------------------------------
+
+def category(kernel: str) -> str:
+    return next(name for name, _, pattern in CATEGORIES
+                if re.search(pattern, kernel, re.IGNORECASE))
+
+
+def step_split(profile: dict[str, Any]) -> dict[str, float]:
+    """ms per step by category, plus what the top kernels leave of the GPU's busy time."""
+    steps = profile["steps"]
+    split = {name: 0.0 for name, _, _ in CATEGORIES}
+    for kernel, ms, _calls in profile["kernels"]:
+        split[category(kernel)] += ms / steps
+    split[OUTSIDE[0]] = profile["gpu_busy_ms"] / steps - sum(split.values())
+    return split
+
+
+def step(path: Path) -> None:
+    """Ours against the official, one stacked bar each. The profile file's tok/s are not used:
+    the official's one round there includes a one-off JIT compile of FlashInfer's sampling."""
+    rows = {r["config"].split(":")[0]: r for r in json.loads((RESULTS / PROFILE).read_text())
+            ["rows"]}
+    bars = [("ours", rows["ours"]), ("官方", rows["official"])]
+    colours = {name: c for name, c, _ in CATEGORIES} | {OUTSIDE[0]: OUTSIDE[1]}
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.3))
+    used: set[str] = set()
+    for i, (_, row) in enumerate(bars):
+        p = row["profile"]
+        left = 0.0
+        for name, ms in step_split(p).items():
+            if ms <= 0:
+                continue
+            used.add(name)
+            ax.barh(i, ms, left=left, color=colours[name], height=0.55, edgecolor="white",
+                    lw=0.6)
+            if ms >= 0.3:
+                ax.text(left + ms / 2, i, f"{ms:.2f}", ha="center", va="center", fontsize=10,
+                        color="white" if name in ("注意力", "采样") else "#222222")
+            left += ms
+        wall = p["wall_ms"] / p["steps"]
+        ax.plot([wall, wall], [i - 0.4, i + 0.4], color="#222222", lw=1.5)
+        ax.text(wall + 0.1, i, f"墙钟 {wall:.2f} ms\nGPU 忙 {left:.2f} ms", va="center",
+                fontsize=10)
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars])
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(r["profile"]["wall_ms"] / r["profile"]["steps"] for _, r in bars) * 1.2)
+    ax.set_xlabel("每步毫秒（50 个解码步的平均）")
+    ax.set_title("一个解码步的 GPU 时间去了哪里 · H200 · FlashInfer+图+重叠", loc="left")
+    order = [n for n in colours if n in used]
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in order],
+              labels=order, loc="upper center", bbox_to_anchor=(0.5, -0.27), ncol=len(order),
+              frameon=False, handlelength=1.2, columnspacing=1.0)
+    caption(fig, "2026-12-02；torch profiler，运行中段 50 步；按内核名归类前 15 个内核。"
+                 "竖线：墙钟时间，与 GPU 忙的差是 GPU 空等主机的时间")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    save(fig, path)
+
+
+def draw(out: Path) -> list[Path]:
+    setup_style()
+    out.mkdir(parents=True, exist_ok=True)
+    figures: list[tuple[str, Callable[[Path], None]]] = [
+        ("throughput.svg", throughput), ("latency.svg", lambda p: latency(p, SERVING)),
+        ("step.svg", step)]
+    for name, fn in figures:
+        fn(out / name)
+    return [out / name for name, _ in figures]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=OUT, help="folder of the SVGs (%(default)s)")
+    p.add_argument("--check", action="store_true",
+                   help="redraw into a temporary folder; exit 1 if any SVG in --out differs")
+    a = p.parse_args(argv)
+    if not a.check:
+        for path in draw(a.out):
+            print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        stale = [f.name for f in draw(Path(tmp))
+                 if not (a.out / f.name).exists() or not filecmp.cmp(f, a.out / f.name, False)]
+    for name in stale:
+        print(f"differs from a fresh drawing: {a.out / name}")
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The Sampler: greedy fast path; temperature / top-k / top-p per request (chapter 6)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.core import Batch
+
+MIN_TEMPERATURE = MIN_TOP_P = 1e-6
+
+
+@dataclass
+class BatchSamplingArgs:
+    temperatures: torch.Tensor | None  # [bs] float32; None: every request is greedy
+    top_k: torch.Tensor | None = None  # [bs] int64; None: no request limits k
+    top_p: torch.Tensor | None = None  # [bs] float32; None: no request limits p
+
+
+def sample_from_probs(probs: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs [bs, vocab]: keep the k most likely tokens, then the
+    smallest most-likely set whose renormalised mass reaches p, and draw from what is left."""
+    probs, order = probs.sort(dim=-1, descending=True)
+    if top_k is not None:
+        rank = torch.arange(probs.shape[-1], device=probs.device)
+        probs = probs.masked_fill(rank[None, :] >= top_k[:, None], 0.0)
+    if top_p is not None:
+        probs = probs / probs.sum(-1, keepdim=True)
+        mass_before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+        probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    choice = torch.multinomial(probs, 1, generator=generator)
+    return order.gather(-1, choice).squeeze(-1)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, vocab_size: int, seed: int) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def prepare(self, batch: Batch) -> BatchSamplingArgs:
+        """Per-request parameters as device tensors, clamped to sane ranges. A greedy
+        request inside a sampled batch gets a tiny temperature: its softmax is one-hot."""
+        params = [r.sampling_params for r in batch.reqs]
+        if all(p.is_greedy for p in params):
+            return BatchSamplingArgs(temperatures=None)
+        temps = [max(0.0 if p.is_greedy else p.temperature, MIN_TEMPERATURE) for p in params]
+        ks = [p.top_k if p.top_k >= 1 else self.vocab_size for p in params]
+        ps = [min(max(p.top_p, MIN_TOP_P), 1.0) for p in params]
+        args = BatchSamplingArgs(torch.tensor(temps, dtype=torch.float32, device=self.device))
+        if any(k < self.vocab_size for k in ks):
+            args.top_k = torch.tensor(ks, dtype=torch.int64, device=self.device)
+        if any(p < 1.0 for p in ps):
+            args.top_p = torch.tensor(ps, dtype=torch.float32, device=self.device)
+        return args
+
+    def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+        if args.temperatures is None:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits.float() / args.temperatures[:, None], dim=-1)
+        return sample_from_probs(probs, args.top_k, args.top_p, self.generator)
