@@ -113,7 +113,8 @@ def online_bench() -> None:
     print(f"online, {report['workload']['num_prompts']} streamed requests per rate "
           f"({report['workload']['backend']}), server stopped with exit code {code}:")
     for row in report["rows"]:
-        print(f"  rate {row['rate']}/s: {row['completed']} done, {row['failed']} failed; TTFT "
+        rate = "all at once" if row["rate"] == "inf" else f"{row['rate']:g} per second"
+        print(f"  {rate}: {row['completed']} done, {row['failed']} failed; TTFT "
               f"p50 {row['ttft_ms_p50']:.0f} ms, TPOT p50 {row['tpot_ms_p50']:.0f} ms, "
               f"{row['out_tok_s']:.1f} tok/s; output tokens from {row['output_len_source']}")
 
