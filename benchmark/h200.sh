@@ -34,7 +34,7 @@ serve() {  # LABEL PACKAGE_DIR : start that server, run the serving bench, stop 
         fi
     done
     echo "server $label ready in $((SECONDS - start)) s"
-    python benchmark/bench_serving.py --port $port --backend chat --tokenizer "$Q06" --vocab 500 \
+    python benchmark/bench_serving.py --port $port --backend chat --tokenizer "$Q06" --vocab 10000 \
         --num-prompts 64 --input-len 100 1024 --output-len 100 1024 --request-rates 8 inf \
         --label "$label" --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
         --json "$OUT/serve-$label.json" 2>&1 | quiet | tee "$OUT/serve-$label.txt"

@@ -152,9 +152,12 @@ def mark_made(folder: Path, **info: Any) -> None:
     (folder / STAMP).write_text(json.dumps(info, indent=1) + "\n")
 
 
-def build_tokenizer(out: Path) -> None:
-    """Train a small byte-level BPE on tools/tiny_corpus.txt and save it as an HF tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(out: Path, vocab_size: int = TINY_VOCAB) -> None:
+    """Train a small byte-level BPE on tools/tiny_corpus.txt and save it as an HF tokenizer. A
+    larger vocab_size (the random presets) is filled with tokens `<wN>` for ids N past the BPE's,
+    so that every id a model can emit decodes to text and that text encodes back to the id
+    (chapter 21: a served stream of ids without text has no TTFT)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -169,6 +172,8 @@ def build_tokenizer(out: Path) -> None:
     tok.train_from_iterator([CORPUS.read_text(encoding="utf-8")], trainer)
     if tok.get_vocab_size() > TINY_VOCAB:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, more than {TINY_VOCAB}")
+    tok.add_tokens([AddedToken(f"<w{i}>", normalized=False)
+                    for i in range(tok.get_vocab_size(), vocab_size)])
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -198,7 +203,7 @@ def build_random(
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    build_tokenizer(tmp)
+    build_tokenizer(tmp, config.vocab_size)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
 
