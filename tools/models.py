@@ -232,18 +232,22 @@ def cmd_random(arch: str, preset: str, out: Path, dtype: str, device: str,
             f"unknown preset {arch}/{preset}; choose from: "
             + ", ".join(f"--arch {a} --preset {p}" for a, p in PRESETS)
         )
-    if is_made(out):
-        log(f"{out} is ready")
-        return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
-    log(f"building a random {arch}-{preset} model ({dtype}, on {device}) ...")
     config_cls, fields = PRESETS[key]
     if layers is not None:
         fields = {**fields, "num_hidden_layers": layers}
+    want = dict(kind="random", arch=arch, preset=preset, dtype=dtype,
+                layers=fields["num_hidden_layers"])
+    if is_made(out):
+        made = json.loads((out / STAMP).read_text())
+        if made == want:
+            log(f"{out} is ready")
+            return
+        log(f"{out} was made as {made}; making it again as {want}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    log(f"building a random {arch}-{preset} model ({dtype}, on {device}) ...")
     build_random(out, config_cls, fields, seed=0, dtype=dtype, device=device)
-    mark_made(out, kind="random", arch=arch, preset=preset, dtype=dtype,
-              layers=fields["num_hidden_layers"])
+    mark_made(out, **want)
     log(f"made {out} ({time.perf_counter() - t:.1f} s)")
 
 
