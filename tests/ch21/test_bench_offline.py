@@ -3,30 +3,21 @@ same way (its README's total is the check), and the driver run for real on a tin
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_offline.py"
+from benchmarks import FOLDER, load
 
-
-def load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_offline", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_offline"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+BENCH = FOLDER / "bench_offline.py"
 
 
 def test_the_workload_is_nano_vllms() -> None:
     """nano-vllm's README reports 133,966 output tokens for its bench.py (256 requests, seed 0):
     a figure computed elsewhere, which only the same draws in the same order give."""
-    prompts, lens = load_bench().workload(256, (100, 1024), (100, 1024))
+    prompts, lens = load("bench_offline").workload(256, (100, 1024), (100, 1024))
     assert sum(lens) == 133_966
     assert len(prompts) == 256 and all(100 <= len(p) <= 1024 for p in prompts)
     assert all(0 <= t <= 10000 for p in prompts for t in p)

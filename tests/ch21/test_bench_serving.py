@@ -3,34 +3,20 @@ server that streams at known times, then a short run against our real server."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from benchmarks import load
 
 from serving import Server, gone
 
-
-def load_bench() -> ModuleType:
-    """benchmark/bench_serving.py of the tree these tests are in (it is no package)."""
-    path = Path(__file__).resolve().parents[2] / "benchmark" / "bench_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_serving", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = load("bench_serving")
 
 # (seconds after the previous event, the event's data): a first text chunk at 0.2 s, then three
 # more every 0.1 s; on the way a role-only or empty-text chunk that is not text.
