@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Chapter 21's GPU runs, as they were run on an H200: bash benchmark/h200.sh PART OUT
-#   PART: offline, profile, ablate, hf, moe, serve (see each below)
+#   PART: sampler, offline, profile, ablate, hf, moe, serve, serve1 (see each below)
 #   OUT:  a folder for the results (JSON + the printed text)
 # Needs: flashinfer-python 0.5.3 and the server's packages importable (the wheels went to a
 # folder on PYTHONPATH); Q06: the random Qwen3-0.6B shape, made if missing; OFFICIAL: the
@@ -21,9 +21,9 @@ offline() {  # NAME ROUNDS GROUP... : one bench_offline run, its text and JSON k
         "$@" --json "$OUT/$name.json" 2>&1 | quiet | tee -a "$OUT/$name.txt"
 }
 
-serve() {  # LABEL PACKAGE_DIR : start that server, run the serving bench, stop it
-    local label=$1 port=1919
-    PYTHONPATH=$2:$PYTHONPATH setsid python -m minisgl --model "$Q06" --attn fi --port $port \
+serve() {  # LABEL PACKAGE_DIR NAME BENCH_ARGS... : start that server, bench it, stop it
+    local label=$1 package=$2 name=$3 port=1919; shift 3
+    PYTHONPATH=$package:$PYTHONPATH setsid python -m minisgl --model "$Q06" --attn fi --port $port \
         > "$OUT/server-$label.log" 2>&1 &
     local pid=$! start=$SECONDS
     until python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/v1/models')" \
@@ -33,19 +33,22 @@ serve() {  # LABEL PACKAGE_DIR : start that server, run the serving bench, stop 
             echo "server $label did not come up"; tail -5 "$OUT/server-$label.log"; return
         fi
     done
-    echo "server $label ready in $((SECONDS - start)) s"
+    echo "server $label ready in $((SECONDS - start)) s" | tee "$OUT/$name-$label.txt"
     python benchmark/bench_serving.py --port $port --backend chat --tokenizer "$Q06" --vocab 10000 \
-        --num-prompts 64 --input-len 100 1024 --output-len 100 1024 --request-rates 8 inf \
-        --label "$label" --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
-        --json "$OUT/serve-$label.json" 2>&1 | quiet | tee "$OUT/serve-$label.txt"
+        --input-len 100 1024 --output-len 100 1024 "$@" --label "$label" \
+        --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+        --json "$OUT/$name-$label.json" 2>&1 | quiet | tee -a "$OUT/$name-$label.txt"
     kill -TERM -- -$pid; sleep 15; pkill -9 -g $pid && echo "server $label: killed after SIGTERM"
-    wait $pid; echo "server $label exit code $?"
+    wait $pid; echo "server $label exit code $?" | tee -a "$OUT/$name-$label.txt"
 }
 
 case $PART in
-offline)  # the comparison: ours and the official side by side, overlap on and off
+sampler)  # chapter 6's sorted draw against the draw without a sort, and its chi-square
+    python tools/gpu_check.py sampler 2>&1 | tee "$OUT/ch21_sampler.txt"
+    ;;
+offline)  # the comparison: ours (overlap on and off) and the official, in turns in one group
     offline ch21_offline 3 --latency --group ours:fi:graph:on official:fi:graph:on \
-        --group ours:fi:graph:off official:fi:graph:off
+        ours:fi:graph:off
     ;;
 profile)  # one more round of each, and 50 decode steps of each profiled mid-run
     offline ch21_profile 1 --profile --group ours:fi:graph:on official:fi:graph:on
@@ -62,8 +65,14 @@ moe)
     python tools/gpu_check.py moe --moe-model /tmp/moe --rounds 5 2>&1 | quiet \
         | tee "$OUT/ch21_moe.txt"
     ;;
-serve)
-    serve ours "$PWD/python"
-    serve official "$OFFICIAL"
+serve)  # both servers under Poisson arrivals at 8 requests/s, then all 64 at once
+    for e in ours:$PWD/python official:$OFFICIAL; do
+        serve "${e%%:*}" "${e#*:}" serve --num-prompts 64 --request-rates 8 inf
+    done
+    ;;
+serve1)  # both servers one request at a time: the server's cost per step next to batch-1 offline
+    for e in ours:$PWD/python official:$OFFICIAL; do
+        serve "${e%%:*}" "${e#*:}" serve1 --num-prompts 8 --request-rates inf --max-concurrency 1
+    done
     ;;
 esac

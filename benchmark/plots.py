@@ -1,13 +1,13 @@
 """The figures of chapter 21 (which introduces this script), drawn from committed results files.
 
-    python benchmark/plots.py            # writes docs/assets/ch21/{throughput,latency,step}.svg
+    python benchmark/plots.py            # writes docs/assets/ch21/*.svg (four figures)
     python benchmark/plots.py --check    # redraws into a temporary folder; exit 1 if any differs
 
 throughput.svg: offline output tok/s per configuration on the H200 (bench_offline.py).
-latency.svg: TTFT, ITL and E2E p50/p99 per arrival rate (bench_serving.py); one colour
-per results file, so a later file (say the H200, ours and the official) is one more entry of
-SERVING. step.svg: where a decode step's GPU time goes, ours against the official, from the
-kernel profile of bench_offline.py --profile.
+latency.svg and latency-h200.svg: TTFT, ITL and E2E p50/p99 per arrival rate
+(bench_serving.py), on the CPU and on the H200 (ours and the official); one colour per results
+file. step.svg: where a decode step's GPU time goes, ours (before and after the sampler fix)
+against the official, from the kernel profiles of bench_offline.py --profile.
 
 The SVGs keep matplotlib's path glyphs (svg.fonttype "path"), so their Chinese renders on any
 machine without the font; a fixed hash salt and no date make a rerun byte-identical with the
@@ -56,18 +56,25 @@ class Serving:
 
 
 SERVING = [Serving("2026-12-02-cpu-ch21_serving.json", "SmolLM2-135M-Instruct", "CPU")]
+SERVING_H200 = [Serving(f"2026-12-02-h200-ch21_serving-{who}.json", "Qwen3-0.6B 形状", "H200")
+                for who in ("ours", "official")]
 
 # (label, source file, configuration): the bars of throughput.svg, top to bottom
 BARS = [
     ("ours torch 后端 (eager, 重叠开)", "2026-12-02-h200-ch21_ablate.json", "ours:torch:eager:on"),
     ("ours FlashInfer (eager, 重叠开)", "2026-12-02-h200-ch21_ablate.json", "ours:fi:eager:on"),
-    ("ours FlashInfer+图 (重叠关)", "2026-12-02-h200-ch21_offline.txt", "ours:fi:graph:off"),
-    ("ours FlashInfer+图+重叠", "2026-12-02-h200-ch21_offline.txt", "ours:fi:graph:on"),
-    ("官方 FlashInfer+图 (重叠关)", "2026-12-02-h200-ch21_offline.txt", "official:fi:graph:off"),
-    ("官方 FlashInfer+图+重叠", "2026-12-02-h200-ch21_offline.txt", "official:fi:graph:on"),
+    ("ours FlashInfer+图 (重叠关)", "2026-12-02-h200-ch21_offline.json", "ours:fi:graph:off"),
+    ("ours FlashInfer+图+重叠，采样排序*", "2026-12-02-h200-ch21_offline-a746c97.txt",
+     "ours:fi:graph:on"),
+    ("ours FlashInfer+图+重叠", "2026-12-02-h200-ch21_offline.json", "ours:fi:graph:on"),
+    ("官方 FlashInfer+图+重叠", "2026-12-02-h200-ch21_offline.json", "official:fi:graph:on"),
 ]
 FLOOR_TOK_S = 40_000  # the chapter's estimate from KV and weight reads per step
-PROFILE = "2026-12-02-h200-ch21_profile.json"  # its tok/s are not plotted: see step()
+# (label, profile file, engine): the bars of step.svg, top to bottom; the files' tok/s are not
+# plotted (see step())
+PROFILES = [("ours，采样排序*", "2026-12-02-h200-ch21_profile-a746c97.json", "ours"),
+            ("ours", "2026-12-02-h200-ch21_profile.json", "ours"),
+            ("官方", "2026-12-02-h200-ch21_profile.json", "official")]
 
 # (category, colour, pattern of kernel names); the first match wins, "其他" takes the rest
 CATEGORIES = [
@@ -160,9 +167,9 @@ def throughput(path: Path) -> None:
     ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")
     ax.set_xlabel("输出吞吐（tok/s，越高越好）")
     ax.set_title("H200 · 随机权重 Qwen3-0.6B 形状 · nano-vllm 负载（256 请求）", loc="left")
-    caption(fig, "2026-12-02；中位数（3 轮），torch/eager 两行各 1 轮；"
-                 "蓝：ours，橙：官方 mini-sglang\n"
-                 "图 = CUDA 图；重叠 = CPU 与 GPU 重叠调度；数据："
+    caption(fig, "2026-12-02；中位数（3 轮），eager 两行各 1 轮；蓝：ours，橙：官方 mini-sglang；"
+                 "图 = CUDA 图，重叠 = 重叠调度\n"
+                 "* 修正采样器之前（a746c97），另一次调用；数据："
                  "benchmark/results/2026-12-02-h200-ch21_*")
     fig.tight_layout(rect=(0, 0.09, 1, 1))
     save(fig, path)
@@ -237,8 +244,11 @@ def workload_note(report: dict[str, Any]) -> str:
     wl = report["workload"]
     (i0, i1), (o0, o1) = wl["input_len"], wl["output_len"]
     failed = sum(r["failed"] for r in report["rows"])
-    return (f"每个到达率 {wl['num_prompts']} 个请求，输入 {i0}–{i1}、输出 {o0}–{o1} token，"
-            f"失败 {failed} 个")
+    counted = ("" if all(r.get("output_len_source", "usage") == "usage" for r in report["rows"])
+               else "；没有 usage，输出长度按请求的记（请求都带 ignore_eos）")
+    conc = f"，并发上限 {wl['max_concurrency']}" if wl.get("max_concurrency") else ""
+    return (f"每个到达率 {wl['num_prompts']} 个请求{conc}，输入 {i0}–{i1}、输出 {o0}–{o1} token，"
+            f"失败 {failed} 个{counted}")
 
 
 # --- step.svg -------------------------------------------------------------------------------
@@ -261,11 +271,12 @@ def step_split(profile: dict[str, Any]) -> dict[str, float]:
 def step(path: Path) -> None:
     """Ours against the official, one stacked bar each. The profile file's tok/s are not used:
     the official's one round there includes a one-off JIT compile of FlashInfer's sampling."""
-    rows = {r["config"].split(":")[0]: r for r in json.loads((RESULTS / PROFILE).read_text())
-            ["rows"]}
-    bars = [("ours", rows["ours"]), ("官方", rows["official"])]
+    bars = []
+    for label, file, engine in PROFILES:
+        rows = json.loads((RESULTS / file).read_text())["rows"]
+        bars.append((label, next(r for r in rows if r["config"].startswith(engine + ":"))))
     colours = {name: c for name, c, _ in CATEGORIES} | {OUTSIDE[0]: OUTSIDE[1]}
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.3))
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.9))
     used: set[str] = set()
     for i, (_, row) in enumerate(bars):
         p = row["profile"]
@@ -276,7 +287,7 @@ def step(path: Path) -> None:
             used.add(name)
             ax.barh(i, ms, left=left, color=colours[name], height=0.55, edgecolor="white",
                     lw=0.6)
-            if ms >= 0.3:
+            if ms >= 0.45:
                 ax.text(left + ms / 2, i, f"{ms:.2f}", ha="center", va="center", fontsize=10,
                         color="white" if name in ("注意力", "采样") else "#222222")
             left += ms
@@ -294,7 +305,8 @@ def step(path: Path) -> None:
               labels=order, loc="upper center", bbox_to_anchor=(0.5, -0.27), ncol=len(order),
               frameon=False, handlelength=1.2, columnspacing=1.0)
     caption(fig, "2026-12-02；torch profiler，运行中段 50 步；按内核名归类前 15 个内核。"
-                 "竖线：墙钟时间，与 GPU 忙的差是 GPU 空等主机的时间")
+                 "竖线：墙钟时间，与 GPU 忙的差是 GPU 空等主机的时间\n"
+                 "* 修正采样器之前（a746c97），另一次调用")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     save(fig, path)
 
@@ -304,7 +316,7 @@ def draw(out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     figures: list[tuple[str, Callable[[Path], None]]] = [
         ("throughput.svg", throughput), ("latency.svg", lambda p: latency(p, SERVING)),
-        ("step.svg", step)]
+        ("latency-h200.svg", lambda p: latency(p, SERVING_H200)), ("step.svg", step)]
     for name, fn in figures:
         fn(out / name)
     return [out / name for name, _ in figures]
