@@ -53,8 +53,9 @@ offline)  # the comparison: ours (overlap on and off) and the official, in turns
 profile)  # one more round of each, and 50 decode steps of each profiled mid-run
     offline ch21_profile 1 --profile --group ours:fi:graph:on official:fi:graph:on
     ;;
-ablate)  # the rungs below: FlashInfer without graphs, the torch backend
-    offline ch21_ablate 1 --group ours:fi:eager:on ours:torch:eager:on
+ablate)  # the rungs below: FlashInfer without graphs, the torch backend, overlap on and off
+    offline ch21_ablate 1 --group ours:fi:eager:on ours:fi:eager:off \
+        --group ours:torch:eager:on ours:torch:eager:off
     ;;
 hf)  # HF's continuous batching beside ours, on 64 requests of the same distribution
     offline ch21_hf 1 --requests 64 --group hf ours:fi:graph:on
