@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Chapter 21's GPU runs, as they were run on an H200: bash benchmark/h200.sh PART OUT
-#   PART: sampler, offline, profile, ablate, hf, moe, serve, serve1 (see each below)
+#   PART: sampler, offline, profile, ablate, hf, moe, serve, serve1, tp2 (see each below)
 #   OUT:  a folder for the results (JSON + the printed text)
 # Needs: flashinfer-python 0.5.3 and the server's packages importable (the wheels went to a
 # folder on PYTHONPATH); Q06: the random Qwen3-0.6B shape, made if missing; OFFICIAL: the
@@ -65,6 +65,10 @@ moe)
         --preset 30b-a3b --layers 4 --out /tmp/moe --dtype bfloat16 --device cuda 2>&1 | tail -1
     python tools/gpu_check.py moe --moe-model /tmp/moe --rounds 5 2>&1 | quiet \
         | tee "$OUT/ch21_moe.txt"
+    ;;
+tp2)  # chapter 16 on two GPUs (issue "11 ·"): TP=2 against TP=1, the server at --tp 2, speed
+    python tools/models.py tiny tiny-qwen3 tiny-llama tiny-qwen2 tiny-mistral > /dev/null
+    python tools/gpu_tp.py --model "$Q06" 2>&1 | quiet | tee "$OUT/ch16_tp2.txt"
     ;;
 serve)  # both servers under Poisson arrivals at 8 requests/s, then all 64 at once
     for e in ours:$PWD/python official:$OFFICIAL; do

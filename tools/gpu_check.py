@@ -208,15 +208,22 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def check_speed(path: Path, n: int, rounds: int, cb: bool, attn: str) -> list[str]:
-    """n requests, input and output lengths uniform in 100..512 (seed 0), bfloat16: our
-    LLM.generate (overlap on and off) and HF's padded generate, each run `rounds` times in
-    turns after a warm-up run of each, medians reported; HF continuous batching once."""
+def speed_workload(path: Path, n: int) -> tuple[list[list[int]], list[int]]:
+    """Issue 5's workload: n prompts of random ids, input and output lengths uniform in
+    100..512, seed 0; the prompts and their output lengths."""
     g = torch.Generator().manual_seed(0)
     in_lens = torch.randint(100, 513, (n,), generator=g).tolist()
     out_lens = torch.randint(100, 513, (n,), generator=g).tolist()
     vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
-    prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in in_lens]
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in in_lens], out_lens
+
+
+def check_speed(path: Path, n: int, rounds: int, cb: bool, attn: str) -> list[str]:
+    """n requests, input and output lengths uniform in 100..512 (seed 0), bfloat16: our
+    LLM.generate (overlap on and off) and HF's padded generate, each run `rounds` times in
+    turns after a warm-up run of each, medians reported; HF continuous batching once."""
+    prompts, out_lens = speed_workload(path, n)
+    in_lens = [len(p) for p in prompts]
     useful = sum(out_lens)
     lines = [f"speed workload: {n} requests, prompts {sum(in_lens)} tokens, outputs {useful} "
              f"tokens (max {max(out_lens)}), bfloat16, {path.name}; median of {rounds} rounds "
@@ -311,7 +318,7 @@ def check_speed(path: Path, n: int, rounds: int, cb: bool, attn: str) -> list[st
     return lines
 
 
-def _relative_errors(got: list[list[int]], ref: list[list[int]], logits: list[torch.Tensor],
+def relative_errors(got: list[list[int]], ref: list[list[int]], logits: list[torch.Tensor],
                      ref_logits: list[torch.Tensor]) -> list[float]:
     """Per step, the largest |a - b| / |b| (norms over the vocabulary) over the rows whose tokens
     so far are the reference's (teacher-forced: the same inputs); stops at a shape change."""
@@ -355,7 +362,7 @@ def check_fi(path: Path) -> list[str]:
     for page_size, overlap in ((1, True), (4, True), (1, False)):
         got, logits, first = _generate(path, prompts, params, attention_backend="fi",
                                        page_size=page_size, overlap=overlap, **common)
-        errs = _relative_errors(got, ref, logits, ref_logits)
+        errs = relative_errors(got, ref, logits, ref_logits)
         ok = max(errs) <= BF16_TOL
         lines.append(f"{'ok  ' if ok else 'FAIL'} fi vs torch backend, page size {page_size}, "
                      f"overlap {'on' if overlap else 'off'}: relative logits error max "
@@ -717,15 +724,17 @@ def profile_steps(path: Path, prompts: list[list[int]], graph_only: bool = False
     return lines
 
 
-def check_serve(path: Path) -> list[str]:
-    """`python -m minisgl --attn auto` on this GPU: its log lines on the backend and the graphs,
-    and one streamed chat completion through the openai client; then SIGTERM."""
+def check_serve(path: Path, flags: tuple[str, ...] = ()) -> list[str]:
+    """`python -m minisgl --attn auto` (and `flags`) on this GPU: its log lines on the backend
+    and the graphs, and one streamed chat completion through the openai client; then SIGTERM,
+    after which none of its processes may be left."""
     import signal
     import socket
     import subprocess
     import urllib.request
 
     import openai
+    import psutil
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -734,7 +743,7 @@ def check_serve(path: Path) -> list[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"),
                                                       os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "minisgl", "--model", str(path), "--attn", "auto", "--port",
-           str(port), "--max-seq-len-override", "4096"]
+           str(port), "--max-seq-len-override", "4096", *flags]
     start = time.perf_counter()
     with open(log, "wb") as out:
         server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -766,9 +775,17 @@ def check_serve(path: Path) -> list[str]:
                      f"{len(chunks)} chunks in {time.perf_counter() - t:.2f} s, finish_reason "
                      f"{chunks[-1].choices[0].finish_reason}; text (random weights) {text[:60]!r}")
     finally:
+        try:
+            family = psutil.Process(server.pid).children(recursive=True)
+        except psutil.NoSuchProcess:  # it died already: the error above says why
+            family = []
         server.send_signal(signal.SIGTERM)
         code = server.wait(timeout=60)
-        lines.append(f"{'ok  ' if code == 0 else 'FAIL'} serve: SIGTERM, exit code {code}")
+        _, alive = psutil.wait_procs(family, timeout=10)
+        for p in alive:
+            p.kill()
+        lines.append(f"{'ok  ' if code == 0 and not alive else 'FAIL'} serve: SIGTERM, exit code "
+                     f"{code}; {len(family)} child processes, {len(alive)} of them left running")
     return lines
 
 
@@ -925,7 +942,7 @@ def _moe_generate(device: str, model: Path | None) -> list[str]:
     for (backend, dt), (got, logits, t_got, sizes) in runs.items():
         if dt == torch.float32 and backend == "torch":
             continue
-        errs = _relative_errors(got, ref, logits, ref_logits)
+        errs = relative_errors(got, ref, logits, ref_logits)
         same = sum(a == b for a, b in zip(got, ref))
         limit = BF16_TOL if dt == torch.bfloat16 else 1e-5
         ok = max(errs) <= limit and (same == len(prompts) or dt == torch.bfloat16)
