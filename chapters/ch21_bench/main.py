@@ -1,13 +1,16 @@
 """第 21 章的 main：基准测试。先数清 nano-vllm 的离线负载（256 个请求，要 133,966 个输出
 token）；再看本章对采样器的修正：不截断时不再给整个词表排序，抽到的频率仍与 float64 的
 softmax 一致；然后在 CPU 上用小号负载跑一遍离线基准（我们的引擎开、关重叠，和 HF 的连续批处理），
-最后起真的服务，用在线基准按两种到达率发请求，输出 token 数取自服务回的 usage。
+再起真的服务，用在线基准按两种到达率发请求，输出 token 数取自服务回的 usage；最后看分词进程
+怎样对待一次到达的一批请求：每个请求分完词就交给调度器。
 
 时间、速率一类的数每次运行都不同（页面上被遮住）；真正的数字在 H200 上量，见本章页面。"""
 
 import importlib.util
 import json
+import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import statistics
@@ -19,7 +22,11 @@ from pathlib import Path
 
 import torch
 
+from minisgl.core import SamplingParams
 from minisgl.engine.sample import sample_from_probs, sample_without_cut
+from minisgl.message import BatchBackendMsg, BatchFrontendMsg, TokenizeMsg
+from minisgl.tokenizer import tokenizer_worker
+from minisgl.utils.mp import IpcNamespace, ZmqPullQueue, ZmqPushQueue
 
 HERE = Path(__file__).resolve().parent
 MODEL = Path(sys.argv[1] if len(sys.argv) > 1 else "models/SmolLM2-135M-Instruct")
@@ -119,9 +126,49 @@ def online_bench() -> None:
               f"{row['out_tok_s']:.1f} tok/s; output tokens from {row['output_len_source']}")
 
 
+def a_burst(n: int = 32) -> None:
+    """The tokenizer process, for real (its own process, real sockets), given n chat requests
+    of about 600 words at once: when each reaches the scheduler's inbox."""
+    ns, ctx = IpcNamespace(), mp.get_context("spawn")
+    rng = random.Random(0)
+    words = ["engine", "token", "batch", "cache", "radix", "page", "graph", "kernel", "serve"]
+    chats = [[{"role": "user", "content": " ".join(rng.choices(words, k=600))}]
+             for _ in range(n)]
+    try:
+        with ZmqPullQueue(ns.addr("backend"), bind=True, expected=BatchBackendMsg) as backend, \
+                ZmqPullQueue(ns.addr("frontend"), bind=True, expected=BatchFrontendMsg) as _, \
+                ZmqPushQueue(ns.addr("tokenizer"), bind=False) as api:
+            ready, ready_child = ctx.Pipe()
+            proc = ctx.Process(target=tokenizer_worker, kwargs=dict(
+                model_path=str(MODEL), inbox=ns.addr("tokenizer"), bind_inbox=True,
+                backend=ns.addr("backend"), frontend=ns.addr("frontend"), ready=ready_child))
+            proc.start()
+            ready.recv()
+            api.put(TokenizeMsg(n, chats[0], SamplingParams(max_tokens=8), []))  # a warm-up
+            assert backend.get(timeout_ms=60_000) is not None
+            start = time.perf_counter()
+            for uid, chat in enumerate(chats):  # one frame per request, as the API server sends
+                api.put(TokenizeMsg(uid, chat, SamplingParams(max_tokens=8), []))
+            arrivals, frames = [], 0
+            while len(arrivals) < n:
+                got = backend.get(timeout_ms=60_000)
+                assert got is not None, "the tokenizer process stopped answering"
+                frames += 1
+                arrivals += [time.perf_counter() - start] * len(got.data)
+            proc.terminate()
+            proc.join(timeout=30)
+    finally:
+        ns.remove()
+    print(f"a burst of {n} chat requests at the tokenizer process: {frames} messages to the "
+          f"scheduler; requests there after {arrivals[0] * 1e3:.1f} ms (the first), "
+          f"{statistics.median(arrivals) * 1e3:.1f} ms (the median), {arrivals[-1] * 1e3:.1f} ms "
+          f"(the last); exit code {proc.exitcode}")
+
+
 if __name__ == "__main__":
     the_workload()
     print("the sampler at temperature 0.6, no top-k or top-p:")
     the_sampler()
     offline_bench()
     online_bench()
+    a_burst()

@@ -30,8 +30,6 @@ from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
 from .detokenize import DetokenizeManager
 from .tokenize import TokenizeManager
 
-MAX_BATCH = 256  # messages handled per wake-up, so that one burst cannot starve the replies
-
 
 class TokenizerServer:
     """What one tokenizer process does with a batch of messages. With `forward_setups` set
@@ -109,16 +107,24 @@ def tokenizer_worker(model_path: str, inbox: str, bind_inbox: bool, backend: str
         if ready is not None:
             ready.send("tokenizer")
         while True:
-            msgs = _unbatch(pull.get())
-            while len(msgs) < MAX_BATCH and (more := pull.get(timeout_ms=0)) is not None:
-                msgs += _unbatch(more)
-            to_scheduler, replies, setups = server.handle(msgs)
-            if to_detok is not None and setups:  # sent before the requests go on, as a rule
-                to_detok.put(BatchTokenizerMsg(list(setups)))
-            if to_scheduler:
-                to_backend.put(BatchBackendMsg(to_scheduler))
-            if replies:
-                to_frontend.put(BatchFrontendMsg(replies))
+            pump(server, pull, to_backend, to_frontend, to_detok)
+
+
+def pump(server: TokenizerServer, pull: ZmqPullQueue[TokenizerMsg],
+         to_backend: ZmqPushQueue[BatchBackendMsg], to_frontend: ZmqPushQueue[BatchFrontendMsg],
+         to_detok: ZmqPushQueue[BatchTokenizerMsg] | None) -> None:
+    """One wake-up: the next frame only (one request from the API server, or one step's tokens
+    from the scheduler), handled and sent on at once. So a burst of requests reaches the
+    scheduler one by one, and a step's tokens wait behind at most one request's tokenization
+    (chapter 21: draining every queued frame first made the first of 64 requests wait for the
+    tokenization of all 64)."""
+    to_scheduler, replies, setups = server.handle(_unbatch(pull.get()))
+    if to_detok is not None and setups:  # sent before the requests go on, as a rule
+        to_detok.put(BatchTokenizerMsg(list(setups)))
+    if to_scheduler:
+        to_backend.put(BatchBackendMsg(to_scheduler))
+    if replies:
+        to_frontend.put(BatchFrontendMsg(replies))
 
 
 def _unbatch(msg: TokenizerMsg | None) -> list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg

@@ -1,0 +1,132 @@
+"""The tokenizer process: tokenizes new requests for the scheduler and detokenizes its tokens for
+the API server; one process does both unless --num-tokenizer asks for workers (chapter 13)."""
+
+from __future__ import annotations
+
+import signal
+from collections import defaultdict
+from contextlib import ExitStack
+from multiprocessing.connection import Connection
+
+from transformers import AutoTokenizer
+
+from minisgl.message import (
+    AbortBackendMsg,
+    AbortMsg,
+    BatchBackendMsg,
+    BatchFrontendMsg,
+    BatchTokenizerMsg,
+    DetokenizeMsg,
+    DetokenizeSetupMsg,
+    StatsMsg,
+    StatsReply,
+    TokenizeMsg,
+    TokenizerMsg,
+    UserMsg,
+    UserReply,
+)
+from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
+
+from .detokenize import DetokenizeManager
+from .tokenize import TokenizeManager
+
+MAX_BATCH = 256  # messages handled per wake-up, so that one burst cannot starve the replies
+
+
+class TokenizerServer:
+    """What one tokenizer process does with a batch of messages. With `forward_setups` set
+    (a worker, when --num-tokenizer N > 0), new requests' setup goes to the detokenizer
+    process instead of this one's DetokenizeManager."""
+
+    def __init__(self, model_path: str, forward_setups: bool,
+                 setups_from_workers: bool = False) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenize, self.detokenize = TokenizeManager(tokenizer), DetokenizeManager(tokenizer)
+        self.forward_setups = forward_setups
+        # tokens that came before their setup; only a detokenizer fed by workers waits for one
+        self.setups_from_workers = setups_from_workers
+        self.early: dict[int, list[DetokenizeMsg]] = defaultdict(list)
+
+    def handle(self, msgs: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg
+                                | StatsMsg | StatsReply]
+               ) -> tuple[list[UserMsg | AbortBackendMsg | StatsMsg],
+                          list[UserReply | StatsReply], list[DetokenizeSetupMsg]]:
+        """Messages for the scheduler, replies for the API server, setups to forward."""
+        to_scheduler: list[UserMsg | AbortBackendMsg | StatsMsg] = []
+        replies: list[UserReply | StatsReply] = []
+        setups: list[DetokenizeSetupMsg] = []
+        for msg in msgs:
+            if isinstance(msg, TokenizeMsg):
+                try:
+                    ids = self.tokenize.tokenize(msg)
+                except Exception as e:  # a bad prompt or a chat the template rejects: answered
+                    # here, the scheduler never sees it, and the process goes on serving
+                    error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                    replies.append(UserReply(msg.uid, "", True, "error", error=error))
+                    continue
+                setups.append(DetokenizeSetupMsg(msg.uid, len(ids), msg.stop))
+                to_scheduler.append(UserMsg(msg.uid, ids, msg.sampling_params))
+            elif isinstance(msg, AbortMsg):
+                to_scheduler.append(AbortBackendMsg(msg.uid))
+            elif isinstance(msg, DetokenizeSetupMsg):
+                setups.append(msg)
+            elif isinstance(msg, StatsMsg):  # passed through, both ways (chapter 15)
+                to_scheduler.append(msg)
+            elif isinstance(msg, StatsReply):
+                replies.append(msg)
+            else:
+                self.early[msg.uid].append(msg)
+        if not self.forward_setups:
+            for s in setups:
+                self.detokenize.add(s.uid, s.prompt_tokens, s.stop)
+            setups = []
+        # tokens are read in arrival order, each request's only once its setup is known
+        for uid in [u for u in self.early if u in self.detokenize.status]:
+            for token in self.early.pop(uid):
+                reply, abort = self.detokenize.detokenize(token)
+                replies += [reply] if reply is not None else []
+                to_scheduler += [AbortBackendMsg(uid)] if abort else []
+        if not self.setups_from_workers:  # every setup was made here: the rest are strays for
+            self.early.clear()            # requests already answered, and nothing will claim them
+        return to_scheduler, replies, setups
+
+
+def tokenizer_worker(model_path: str, inbox: str, bind_inbox: bool, backend: str, frontend: str,
+                     detokenizer: str | None = None, ready: Connection | None = None,
+                     has_workers: bool = False) -> None:
+    """The process's main: serve until SIGTERM. `detokenizer` is the detokenizer's address
+    for a worker, None for the process that detokenizes (the only one by default);
+    `has_workers` tells that process that setups come from workers."""
+    signal.signal(signal.SIGTERM, _exit)
+    server = TokenizerServer(model_path, forward_setups=detokenizer is not None,
+                             setups_from_workers=has_workers)
+    with ExitStack() as sockets:  # closed however the loop ends
+        pull = sockets.enter_context(ZmqPullQueue(inbox, bind=bind_inbox, expected=TokenizerMsg))
+        to_backend = sockets.enter_context(ZmqPushQueue[BatchBackendMsg](backend, bind=False))
+        to_frontend = sockets.enter_context(ZmqPushQueue[BatchFrontendMsg](frontend, bind=False))
+        to_detok = (sockets.enter_context(ZmqPushQueue[BatchTokenizerMsg](detokenizer, bind=False))
+                    if detokenizer else None)
+        if ready is not None:
+            ready.send("tokenizer")
+        while True:
+            msgs = _unbatch(pull.get())
+            while len(msgs) < MAX_BATCH and (more := pull.get(timeout_ms=0)) is not None:
+                msgs += _unbatch(more)
+            to_scheduler, replies, setups = server.handle(msgs)
+            if to_detok is not None and setups:  # sent before the requests go on, as a rule
+                to_detok.put(BatchTokenizerMsg(list(setups)))
+            if to_scheduler:
+                to_backend.put(BatchBackendMsg(to_scheduler))
+            if replies:
+                to_frontend.put(BatchFrontendMsg(replies))
+
+
+def _unbatch(msg: TokenizerMsg | None) -> list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg
+                                               | AbortMsg | StatsMsg | StatsReply]:
+    if msg is None:
+        return []
+    return list(msg.data) if isinstance(msg, BatchTokenizerMsg) else [msg]
+
+
+def _exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)  # unwinds the with statement: the sockets are closed
