@@ -38,7 +38,7 @@ serve() {  # LABEL PACKAGE_DIR NAME BENCH_ARGS... : start that server, bench it,
         --input-len 100 1024 --output-len 100 1024 "$@" --label "$label" \
         --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
         --json "$OUT/$name-$label.json" 2>&1 | quiet | tee -a "$OUT/$name-$label.txt"
-    kill -TERM -- -$pid; sleep 15; pkill -9 -g $pid && echo "server $label: killed after SIGTERM"
+    kill -TERM -- -$pid; sleep 15; pkill -9 -g $pid && echo "server $label: killed after SIGTERM" | tee -a "$OUT/$name-$label.txt"
     wait $pid; echo "server $label exit code $?" | tee -a "$OUT/$name-$label.txt"
 }
 

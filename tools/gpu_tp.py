@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import multiprocessing as mp
+import queue
 import statistics
 import sys
 import tempfile
@@ -143,7 +144,7 @@ class Group:
                                    f"{dead}, {max(0, left):.0f} s left")
             try:
                 rank, status, reply = self.outbox.get(timeout=min(left, 1.0))
-            except Exception:  # noqa: BLE001 (queue.Empty: look at the processes again)
+            except queue.Empty:  # look at the processes again
                 continue
             if status == "error":
                 raise RuntimeError(f"{command} on rank {rank}: {reply}")
