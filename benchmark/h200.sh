@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Chapter 21's GPU runs, as they were run on an H200: bash benchmark/h200.sh PART OUT
-#   PART: sampler, offline, profile, ablate, hf, moe, serve, serve1, tp2 (see each below)
+#   PART: sampler, kernels, offline, profile, ablate, hf, moe, serve, serve1, tp2 (see each below)
 #   OUT:  a folder for the results (JSON + the printed text)
 # Needs: flashinfer-python 0.5.3 and the server's packages importable (the wheels went to a
 # folder on PYTHONPATH); Q06: the random Qwen3-0.6B shape, made if missing; OFFICIAL: the
@@ -45,6 +45,9 @@ serve() {  # LABEL PACKAGE_DIR NAME BENCH_ARGS... : start that server, bench it,
 case $PART in
 sampler)  # chapter 6's sorted draw against the draw without a sort, and its chi-square
     python tools/gpu_check.py sampler 2>&1 | tee "$OUT/ch21_sampler.txt"
+    ;;
+kernels)  # our kernels against torch's ops: equal, then timed (chapter 19's, as chapter 21 left them)
+    python tools/gpu_check.py kernels 2>&1 | tee "$OUT/ch21_kernels.txt"
     ;;
 offline)  # the comparison: ours (overlap on and off) and the official, in turns in one group
     offline ch21_offline 3 --latency --group ours:fi:graph:on official:fi:graph:on \

@@ -587,31 +587,44 @@ def _gpu_time(fn: Callable[[], object], calls: int = 50) -> tuple[float, float]:
 def check_sampler() -> list[str]:
     """Chapter 21: the draw at temperature 0.6 with no top-k or top-p, on Qwen3's vocabulary
     (151,936), at batch 1, 64 and 256: chapter 6's sorted draw (sample_from_probs) against the
-    draw without a sort (sample_without_cut), median of 50 calls each after a warm-up, CUDA
-    events; then the new draw's frequencies on the GPU against the float64 softmax."""
+    draw without a sort (sample_without_cut), the softmax before them not timed; then from the
+    logits, softmax included: softmax + that draw against our one-pass kernel (cuda.sample).
+    Median of 50 calls each after a warm-up, CUDA events. Then both draws' frequencies on the
+    GPU against the float64 softmax."""
     from minisgl.engine.sample import sample_from_probs, sample_without_cut
+    from minisgl.kernel import cuda
 
     g = torch.Generator("cuda").manual_seed(0)
-    lines = ["info sampler: temperature 0.6, vocabulary 151936, float32 probabilities; ms per "
-             "draw of one token per row (the softmax before it is not timed)"]
+    lines = ["info sampler: temperature 0.6, vocabulary 151936, float32; ms per draw of one token"
+             " per row: sorted / without a sort (from probabilities), then softmax + without a "
+             "sort / our kernel (from logits)"]
     for bs in (1, 64, 256):
         logits = torch.randn(bs, 151936, device="cuda", generator=g) * 3
         probs = torch.softmax(logits / 0.6, dim=-1)
+        temps = torch.full((bs,), 0.6, device="cuda")
         old = _median_ms(lambda p=probs: sample_from_probs(p, None, None, g), True, 50)
         new = _median_ms(lambda p=probs: sample_without_cut(p, g), True, 50)
+        two = _median_ms(lambda x=logits, t=temps: sample_without_cut(
+            torch.softmax(x / t[:, None], dim=-1), g), True, 50)
+        one = _median_ms(lambda x=logits, t=temps: cuda.sample(x, t, 0, 1), True, 50)
         lines.append(f"info   batch {bs:3d}: sorted {old:7.3f} ms, without a sort {new:7.3f} ms"
-                     f" ({old / new:.1f}x)")
+                     f" ({old / new:.1f}x); softmax + draw {two:7.3f} ms, our kernel {one:7.3f} "
+                     f"ms ({two / one:.1f}x)")
     expected = torch.softmax(torch.tensor([2.0, 1.6, 1.1, 0.9, 0.3, -0.2, -1.0, -3.0],
                                           dtype=torch.float64) / 0.8, dim=-1)
-    probs = expected.float().cuda().expand(100_000, 8).contiguous()
-    counts = sum(torch.bincount(sample_without_cut(probs, g), minlength=8).double().cpu()
-                 for _ in range(4))
-    exp = expected * 400_000
-    chi2 = float(((counts - exp) ** 2 / exp).sum())
-    p_value = float(torch.special.gammaincc(torch.tensor(3.5), torch.tensor(chi2 / 2)))
-    lines.append(f"{'ok  ' if p_value > 1e-3 else 'FAIL'} sampler without a sort on the GPU: "
-                 f"400,000 draws from 8 tokens, chi-square {chi2:.1f} with 7 degrees of freedom,"
-                 f" p = {p_value:.3f} (fails below 1e-3)")
+    logits = (expected.log() * 0.8).float().cuda().expand(100_000, 8).contiguous()
+    temps = torch.full((100_000,), 0.8, device="cuda")
+    draws = {"sampler without a sort": lambda i: sample_without_cut(
+                 expected.float().cuda().expand(100_000, 8).contiguous(), g),
+             "our sampling kernel": lambda i: cuda.sample(logits, temps, 7, i).long()}
+    for name, draw in draws.items():
+        counts = sum(torch.bincount(draw(i), minlength=8).double().cpu() for i in range(4))
+        exp = expected * 400_000
+        chi2 = float(((counts - exp) ** 2 / exp).sum())
+        p_value = float(torch.special.gammaincc(torch.tensor(3.5), torch.tensor(chi2 / 2)))
+        lines.append(f"{'ok  ' if p_value > 1e-3 else 'FAIL'} {name} on the GPU: 400,000 draws "
+                     f"from 8 tokens, chi-square {chi2:.1f} with 7 degrees of freedom, "
+                     f"p = {p_value:.3f} (fails below 1e-3)")
     return lines
 
 

@@ -1,5 +1,5 @@
 """The Sampler: greedy fast path; temperature / top-k / top-p per request (chapter 6; the
-draw without a sort in chapter 21)."""
+draw without a sort, and our one-pass kernel for it, in chapter 21)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from minisgl import kernel
+from minisgl.kernel import cuda
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
@@ -52,6 +55,7 @@ class Sampler:
         self.device = device
         self.vocab_size = vocab_size
         self.generator = torch.Generator(device).manual_seed(seed)
+        self.seed, self.draws = seed, 0  # our kernel's random numbers: (seed, draw, row)
 
     def prepare(self, batch: Batch) -> BatchSamplingArgs:
         """Per-request parameters as device tensors, clamped to sane ranges. A greedy
@@ -72,6 +76,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
         if args.temperatures is None:
             return logits.argmax(dim=-1)
+        if args.top_k is None and args.top_p is None and kernel.ours(logits):
+            self.draws += 1  # the same race as sample_without_cut, in one kernel from the logits
+            return cuda.sample(logits, args.temperatures, self.seed, self.draws)
         probs = torch.softmax(logits.float() / args.temperatures[:, None], dim=-1)
         if args.top_k is None and args.top_p is None:
             return sample_without_cut(probs, self.generator)

@@ -68,7 +68,8 @@ def build(emulate: bool, csrc: Path = CSRC) -> Path:
 
 def open_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    i32, i64, f32, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    i32, i64, u64, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float
+    ptr = ctypes.c_void_p
     lib.error_string.argtypes, lib.error_string.restype = [i32], ctypes.c_char_p
     lib.store_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i64, i64, i64, i64, ptr]
     lib.embedding.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr]
@@ -76,6 +77,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.rope.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i32, i32, i32,
                          ptr]
     lib.silu_and_mul.argtypes = [ptr, ptr, i32, i64, i64, ptr]
+    lib.sample.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, u64, u64, ptr]
     return lib
 
 
@@ -176,4 +178,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     _call(x, "silu_and_mul", out.data_ptr(), x.data_ptr(), DTYPES[x.dtype], x.numel() // (2 * d),
           d)
+    return out
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, step: int) -> torch.Tensor:
+    """One int32 token per row of logits [bs, vocab], drawn from softmax(logits / temperature)
+    in one pass (Gumbel-max, chapter 21); (seed, step, row) picks the random numbers, so a
+    sampler passes a new step for every draw."""
+    assert logits.dim() == 2 and logits.stride(-1) == 1
+    assert temperatures.dtype == torch.float32 and temperatures.is_contiguous()
+    out = torch.empty(len(logits), dtype=torch.int32, device=logits.device)
+    _call(logits, "sample", out.data_ptr(), logits.data_ptr(), temperatures.data_ptr(),
+          DTYPES[logits.dtype], len(logits), logits.stride(0), logits.shape[-1], seed, step)
     return out

@@ -1,10 +1,14 @@
 // The engine's own CUDA kernels (chapter 19): the KV store (one warp per token), the embedding of
 // a vocabulary range (tensor parallelism, chapter 16), RMSNorm with the residual add fused in,
-// rotary embedding and SiLU-and-mul. The same source runs on the CPU emulator (emu.h); the tests
-// check it against plain-torch references, the H200 against torch's own ops.
+// rotary embedding and SiLU-and-mul; chapter 21 moves 16 bytes per load where the data allows,
+// gives short rows (Qwen3's q/k norms) a warp each, and adds the draw of a token from logits.
+// The same source runs on the CPU emulator (emu.h); the tests check it against plain-torch
+// references, the H200 against torch's own ops.
 //
 // Elementwise arithmetic is in float, rounded to the storage type where torch rounds (after each
 // op of the reference), so bfloat16 results match torch's up to the reductions' order.
+#include <type_traits>
+
 #include "launch.h"
 
 namespace {
@@ -46,6 +50,12 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// N elements of T moved by one load or store: 16 bytes when N = 16 / sizeof(T) (chapter 21)
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
 // Every thread ends with the block's total. blockDim.x: a multiple of 32, at most 1024.
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float partial[kWarp];
@@ -56,12 +66,12 @@ __device__ __forceinline__ float block_sum(float v) {
   return warp_sum(lane < blockDim.x / kWarp ? partial[lane] : 0.0f);
 }
 
-// Token i's K and V rows (row_words 32-bit words each; k and v rows k_stride / v_stride words
-// apart) go to slot indices[i] of the caches. Warp w of a block copies token
-// blockIdx.x * warps + w; its lanes stride over the words.
-template <typename Index>
-__global__ void store_kv_kernel(uint32_t* __restrict__ k_cache, uint32_t* __restrict__ v_cache,
-                                const uint32_t* __restrict__ k, const uint32_t* __restrict__ v,
+// Token i's K and V rows (row_words words each; k and v rows k_stride / v_stride words apart) go
+// to slot indices[i] of the caches. Warp w of a block copies token blockIdx.x * warps + w; its
+// lanes stride over the words. Word: 4 bytes, or 16 when every row and pointer allows.
+template <typename Word, typename Index>
+__global__ void store_kv_kernel(Word* __restrict__ k_cache, Word* __restrict__ v_cache,
+                                const Word* __restrict__ k, const Word* __restrict__ v,
                                 const Index* __restrict__ indices, int64_t num_tokens,
                                 int64_t row_words, int64_t k_stride, int64_t v_stride) {
   const int64_t token = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
@@ -85,67 +95,176 @@ __global__ void embedding_kernel(uint16_t* __restrict__ out, const uint16_t* __r
     out[t * row_units + e] = mine ? weight[local * row_units + e] : uint16_t(0);
 }
 
-// One block per row. Row r of x starts at (r / inner) * outer_stride + (r % inner) * inner_stride
-// (a [T, H, D] view inside the merged qkv for Qwen3's q/k norms); out is contiguous. With a
-// residual: s = x + residual goes to residual_out and is what gets normalised.
-template <typename T>
+// Row r of x starts at (r / inner) * outer_stride + (r % inner) * inner_stride (a [T, H, D] view
+// inside the merged qkv for Qwen3's q/k norms); out is contiguous. With a residual:
+// s = x + residual goes to residual_out and is what gets normalised. A block per row, or, for
+// short rows (kWarpRows), a warp per row and several rows a block; each thread moves N elements
+// at a time. A warp past the last row still joins its shuffles (the emulator needs every
+// thread of the block at each).
+template <typename T, int N, bool kWarpRows>
 __global__ void rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_out,
                                 const T* __restrict__ x, const T* __restrict__ residual,
-                                const T* __restrict__ weight, int64_t inner, int64_t outer_stride,
-                                int64_t inner_stride, int64_t cols, float eps) {
-  const int64_t row = blockIdx.x;
-  const T* xr = x + row / inner * outer_stride + row % inner * inner_stride;
+                                const T* __restrict__ weight, int64_t rows, int64_t inner,
+                                int64_t outer_stride, int64_t inner_stride, int64_t cols,
+                                float eps) {
+  using P = Pack<T, N>;
+  const unsigned lanes = kWarpRows ? kWarp : blockDim.x;
+  const unsigned lane = kWarpRows ? threadIdx.x % kWarp : threadIdx.x;
+  const int64_t row = kWarpRows ? int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp
+                                : int64_t(blockIdx.x);
+  const int64_t packs = row < rows ? cols / N : 0;
+  const P* xr = reinterpret_cast<const P*>(x + row / inner * outer_stride + row % inner * inner_stride);
   const bool add = residual != nullptr;
+  const P* rr = add ? reinterpret_cast<const P*>(residual + row * cols) : nullptr;
+  P* sum = add ? reinterpret_cast<P*>(residual_out + row * cols) : nullptr;
+  P* o = reinterpret_cast<P*>(out + row * cols);
+  const P* w = reinterpret_cast<const P*>(weight);
   float squares = 0.0f;
-  for (int64_t e = threadIdx.x; e < cols; e += blockDim.x) {
-    float s = to_float(xr[e]);
+  for (int64_t p = lane; p < packs; p += lanes) {
+    P s = xr[p];
     if (add) {
-      s = round_to<T>(s + to_float(residual[row * cols + e]));
-      residual_out[row * cols + e] = from_float<T>(s);
+      const P r = rr[p];
+      for (int i = 0; i < N; ++i) s.v[i] = from_float<T>(to_float(s.v[i]) + to_float(r.v[i]));
+      sum[p] = s;
     }
-    squares += s * s;
+    for (int i = 0; i < N; ++i) squares += to_float(s.v[i]) * to_float(s.v[i]);
   }
-  const float inv = rsqrtf(block_sum(squares) / float(cols) + eps);
-  for (int64_t e = threadIdx.x; e < cols; e += blockDim.x) {  // this thread's own elements
-    const float s = add ? to_float(residual_out[row * cols + e]) : to_float(xr[e]);
-    out[row * cols + e] = from_float<T>(to_float(weight[e]) * round_to<T>(s * inv));
+  const float total = kWarpRows ? warp_sum(squares) : block_sum(squares);
+  const float inv = rsqrtf(total / float(cols) + eps);
+  for (int64_t p = lane; p < packs; p += lanes) {  // this thread's own elements
+    const P s = add ? sum[p] : xr[p], wp = w[p];
+    P y;
+    for (int i = 0; i < N; ++i)
+      y.v[i] = from_float<T>(to_float(wp.v[i]) * round_to<T>(to_float(s.v[i]) * inv));
+    o[p] = y;
   }
 }
 
 // One block per token: every (head, j < D/2) pair of q and k rotated by the token's angle
-// (NeoX layout: j pairs with j + D/2). Inputs are rows q_stride / k_stride apart; outputs are
-// contiguous [T, H, D]. table: [max_position, D] float32, cos then sin.
-template <typename T, typename Position>
+// (NeoX layout: j pairs with j + D/2), N consecutive j at a time. Inputs are rows q_stride /
+// k_stride apart; outputs are contiguous [T, H, D]. table: [max_position, D] float32, cos then sin.
+template <typename T, int N, typename Position>
 __global__ void rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out, const T* __restrict__ q,
                             const T* __restrict__ k, const float* __restrict__ table,
                             const Position* __restrict__ positions, int64_t q_stride,
                             int64_t k_stride, int q_heads, int k_heads, int head_dim) {
+  using P = Pack<T, N>;
   const int64_t t = blockIdx.x;
-  const int half = head_dim / 2;
+  const int half = head_dim / 2, groups = half / N;
   const float* angle = table + int64_t(positions[t]) * head_dim;
-  for (int p = threadIdx.x; p < (q_heads + k_heads) * half; p += blockDim.x) {
-    const int head = p / half, j = p % half;
+  for (int p = threadIdx.x; p < (q_heads + k_heads) * groups; p += blockDim.x) {
+    const int head = p / groups, j = p % groups * N;
     const bool is_q = head < q_heads;
     const int h = is_q ? head : head - q_heads;
     const T* in = is_q ? q + t * q_stride + h * head_dim : k + t * k_stride + h * head_dim;
     T* out = (is_q ? q_out + (t * q_heads + h) * head_dim : k_out + (t * k_heads + h) * head_dim);
-    const float c = round_to<T>(angle[j]), s = round_to<T>(angle[half + j]);
-    const float x1 = to_float(in[j]), x2 = to_float(in[j + half]);
-    out[j] = from_float<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
-    out[j + half] = from_float<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
+    const P a = *reinterpret_cast<const P*>(in + j), b = *reinterpret_cast<const P*>(in + j + half);
+    P lo, hi;
+    for (int i = 0; i < N; ++i) {
+      const float c = round_to<T>(angle[j + i]), s = round_to<T>(angle[half + j + i]);
+      const float x1 = to_float(a.v[i]), x2 = to_float(b.v[i]);
+      lo.v[i] = from_float<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
+      hi.v[i] = from_float<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
+    }
+    *reinterpret_cast<P*>(out + j) = lo;
+    *reinterpret_cast<P*>(out + j + half) = hi;
   }
 }
 
-// out[r, j] = silu(x[r, j]) * x[r, d + j] for x [rows, 2d]; a grid-stride loop over out.
-template <typename T>
+// out[r, j] = silu(x[r, j]) * x[r, d + j] for x [rows, 2d]; a grid-stride loop over out, N
+// elements at a time.
+template <typename T, int N>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t rows,
                                     int64_t d) {
-  const int64_t n = rows * d, step = int64_t(gridDim.x) * blockDim.x;
+  using P = Pack<T, N>;
+  const int64_t groups = d / N, n = rows * groups, step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
-    const int64_t r = i / d, j = i % d;
-    const float gate = to_float(x[r * 2 * d + j]), up = to_float(x[r * 2 * d + d + j]);
-    out[i] = from_float<T>(round_to<T>(gate / (1.0f + expf(-gate))) * up);
+    const int64_t r = i / groups, j = i % groups * N;
+    const P gate = *reinterpret_cast<const P*>(x + r * 2 * d + j);
+    const P up = *reinterpret_cast<const P*>(x + r * 2 * d + d + j);
+    P y;
+    for (int e = 0; e < N; ++e) {
+      const float g = to_float(gate.v[e]);
+      y.v[e] = from_float<T>(round_to<T>(g / (1.0f + expf(-g))) * to_float(up.v[e]));
+    }
+    *reinterpret_cast<P*>(out + r * d + j) = y;
   }
+}
+
+// Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011): four
+// random 32-bit words from a 128-bit counter under a 64-bit key, ten rounds of multiply-xor.
+__device__ __forceinline__ void philox(uint32_t c[4], uint32_t k0, uint32_t k1) {
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t a = uint64_t(0xD2511F53u) * c[0], b = uint64_t(0xCD9E8D57u) * c[2];
+    const uint32_t c1 = c[1], c3 = c[3];
+    c[0] = uint32_t(b >> 32) ^ c1 ^ k0;
+    c[1] = uint32_t(b);
+    c[2] = uint32_t(a >> 32) ^ c3 ^ k1;
+    c[3] = uint32_t(a);
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+}
+
+// (key, index) takes (k2, i2) if that is larger; a tie goes to the lower index
+__device__ __forceinline__ void keep_best(float& key, int& index, float k2, int i2) {
+  if (k2 > key || (k2 == key && i2 < index)) {
+    key = k2;
+    index = i2;
+  }
+}
+
+// Every thread ends with the block's largest key and its index.
+__device__ __forceinline__ void block_argmax(float& key, int& index) {
+  __shared__ float keys[kWarp];
+  __shared__ int indices[kWarp];
+  const unsigned lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  for (int m = kWarp / 2; m > 0; m >>= 1)
+    keep_best(key, index, __shfl_xor_sync(0xffffffffu, key, m),
+              __shfl_xor_sync(0xffffffffu, index, m));
+  if (lane == 0) {
+    keys[warp] = key;
+    indices[warp] = index;
+  }
+  __syncthreads();  // every warp's best written before warp 0's lanes read them
+  const bool have = lane < blockDim.x / kWarp;
+  key = have ? keys[lane] : -INFINITY;
+  index = have ? indices[lane] : 0;
+  for (int m = kWarp / 2; m > 0; m >>= 1)
+    keep_best(key, index, __shfl_xor_sync(0xffffffffu, key, m),
+              __shfl_xor_sync(0xffffffffu, index, m));
+}
+
+// One block per row of logits: the token argmax_i (logits_i / T - log E_i), E_i drawn from Exp(1),
+// which is i with probability softmax(logits / T)_i (the Gumbel-max trick: chapter 21's race in
+// logarithms, so no softmax pass). E_i = -log u, u uniform in (0, 1) from 23 bits of Philox
+// (seed; counter: i / 4, the row, the step): never 0 or 1, so every key is finite. One read of
+// the logits, N = 4 of them a load when the rows allow.
+template <typename T, int N>
+__global__ void sample_kernel(int32_t* __restrict__ out, const T* __restrict__ logits,
+                              const float* __restrict__ temperatures, int64_t row_stride,
+                              int64_t vocab, uint64_t seed, uint64_t step) {
+  const int64_t row = blockIdx.x;
+  const T* lr = logits + row * row_stride;
+  const float inv_t = 1.0f / temperatures[row];
+  float best = -INFINITY;
+  int best_i = 0;
+  for (int64_t g = threadIdx.x; g < (vocab + 3) / 4; g += blockDim.x) {
+    uint32_t c[4] = {uint32_t(g), uint32_t(row), uint32_t(step), uint32_t(step >> 32)};
+    philox(c, uint32_t(seed), uint32_t(seed >> 32));
+    Pack<T, 4> v;
+    if (N == 4) {
+      v = reinterpret_cast<const Pack<T, 4>*>(lr)[g];
+    } else {
+      for (int e = 0; e < 4; ++e) v.v[e] = lr[g * 4 + e < vocab ? g * 4 + e : 0];
+    }
+    for (int e = 0; e < 4 && g * 4 + e < vocab; ++e) {
+      const float u = (float(c[e] >> 9) + 0.5f) * (1.0f / 8388608.0f);
+      keep_best(best, best_i, to_float(v.v[e]) * inv_t - logf(-logf(u)), int(g * 4 + e));
+    }
+  }
+  block_argmax(best, best_i);
+  if (threadIdx.x == 0) out[row] = best_i;
 }
 
 // dtype codes shared with cuda.py: 0 float32, 1 bfloat16
@@ -157,6 +276,25 @@ int by_dtype(int dtype, F&& f) {
 unsigned threads_for(int64_t elems) {  // a multiple of 32, about 4 elements per thread
   const int64_t t = (elems / 4 + kWarp - 1) / kWarp * kWarp;
   return unsigned(t < 32 ? 32 : t > 1024 ? 1024 : t);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// launches rms_norm_kernel<T, N>: rows of at most 64 packs get a warp each
+template <typename T, int N>
+int launch_rms_norm(T* out, T* residual_out, const T* x, const T* residual, const T* weight,
+                    int64_t rows, int64_t inner, int64_t outer_stride, int64_t inner_stride,
+                    int64_t cols, float eps, void* stream) {
+  const int64_t packs = cols / N;
+  if (packs <= 2 * kWarp) {
+    const unsigned warps = 4;
+    return LAUNCH((rms_norm_kernel<T, N, true>), dim3(unsigned((rows + warps - 1) / warps)),
+                  dim3(warps * kWarp), stream)(out, residual_out, x, residual, weight, rows, inner,
+                                               outer_stride, inner_stride, cols, eps);
+  }
+  return LAUNCH((rms_norm_kernel<T, N, false>), dim3(unsigned(rows)), dim3(threads_for(4 * packs)),
+                stream)(out, residual_out, x, residual, weight, rows, inner, outer_stride,
+                        inner_stride, cols, eps);
 }
 
 }  // namespace
@@ -172,17 +310,24 @@ int store_kv(void* k_cache, void* v_cache, const void* k, const void* v, const v
   if (num_tokens == 0) return 0;
   const unsigned warps = 4;
   const dim3 grid(unsigned((num_tokens + warps - 1) / warps)), block(warps * kWarp);
-  auto* kc = static_cast<uint32_t*>(k_cache);
-  auto* vc = static_cast<uint32_t*>(v_cache);
-  auto* kk = static_cast<const uint32_t*>(k);
-  auto* vv = static_cast<const uint32_t*>(v);
-  if (index_bytes == 4)
-    return LAUNCH(store_kv_kernel<int32_t>, grid, block, stream)(
-        kc, vc, kk, vv, static_cast<const int32_t*>(indices), num_tokens, row_bytes / 4,
-        k_stride_bytes / 4, v_stride_bytes / 4);
-  return LAUNCH(store_kv_kernel<int64_t>, grid, block, stream)(
-      kc, vc, kk, vv, static_cast<const int64_t*>(indices), num_tokens, row_bytes / 4,
-      k_stride_bytes / 4, v_stride_bytes / 4);
+  auto copy = [&](auto word) {
+    using W = decltype(word);
+    auto* kc = static_cast<W*>(k_cache);
+    auto* vc = static_cast<W*>(v_cache);
+    auto* kk = static_cast<const W*>(k);
+    auto* vv = static_cast<const W*>(v);
+    const int64_t n = sizeof(W);
+    if (index_bytes == 4)
+      return LAUNCH((store_kv_kernel<W, int32_t>), grid, block, stream)(
+          kc, vc, kk, vv, static_cast<const int32_t*>(indices), num_tokens, row_bytes / n,
+          k_stride_bytes / n, v_stride_bytes / n);
+    return LAUNCH((store_kv_kernel<W, int64_t>), grid, block, stream)(
+        kc, vc, kk, vv, static_cast<const int64_t*>(indices), num_tokens, row_bytes / n,
+        k_stride_bytes / n, v_stride_bytes / n);
+  };
+  const bool wide = (row_bytes | k_stride_bytes | v_stride_bytes) % 16 == 0 &&
+                    aligned16(k_cache) && aligned16(v_cache) && aligned16(k) && aligned16(v);
+  return wide ? copy(Pack<uint32_t, 4>{}) : copy(uint32_t{});
 }
 
 // rows copied as 16-bit units (row_bytes / 2), whatever the element type
@@ -201,10 +346,18 @@ int rms_norm(void* out, void* residual_out, const void* x, const void* residual,
   if (rows == 0) return 0;
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    return LAUNCH(rms_norm_kernel<T>, dim3(unsigned(rows)), dim3(threads_for(cols)), stream)(
-        static_cast<T*>(out), static_cast<T*>(residual_out), static_cast<const T*>(x),
-        static_cast<const T*>(residual), static_cast<const T*>(weight), inner, outer_stride,
-        inner_stride, cols, eps);
+    constexpr int N = 16 / sizeof(T);
+    auto* o = static_cast<T*>(out);
+    auto* ro = static_cast<T*>(residual_out);
+    auto* xx = static_cast<const T*>(x);
+    auto* r = static_cast<const T*>(residual);
+    auto* w = static_cast<const T*>(weight);
+    const bool wide = (cols | outer_stride | inner_stride) % N == 0 && aligned16(o) &&
+                      aligned16(ro) && aligned16(xx) && aligned16(r) && aligned16(w);
+    return wide ? launch_rms_norm<T, N>(o, ro, xx, r, w, rows, inner, outer_stride, inner_stride,
+                                        cols, eps, stream)
+                : launch_rms_norm<T, 1>(o, ro, xx, r, w, rows, inner, outer_stride, inner_stride,
+                                        cols, eps, stream);
   });
 }
 
@@ -213,7 +366,6 @@ int rope(void* q_out, void* k_out, const void* q, const void* k, const void* tab
          const void* positions, int dtype, int position_bytes, int64_t tokens, int64_t q_stride,
          int64_t k_stride, int q_heads, int k_heads, int head_dim, void* stream) {
   if (tokens == 0) return 0;
-  const dim3 grid{unsigned(tokens)}, block{threads_for(4 * (q_heads + k_heads) * head_dim / 2)};
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     auto* qo = static_cast<T*>(q_out);
@@ -221,24 +373,60 @@ int rope(void* q_out, void* k_out, const void* q, const void* k, const void* tab
     auto* qi = static_cast<const T*>(q);
     auto* ki = static_cast<const T*>(k);
     auto* tb = static_cast<const float*>(table);
-    if (position_bytes == 4)
-      return LAUNCH((rope_kernel<T, int32_t>), grid, block, stream)(
-          qo, ko, qi, ki, tb, static_cast<const int32_t*>(positions), q_stride, k_stride,
+    auto go = [&](auto width) {
+      constexpr int N = decltype(width)::value;
+      const dim3 grid{unsigned(tokens)};
+      const dim3 block{threads_for(4 * (q_heads + k_heads) * (head_dim / 2 / N))};
+      if (position_bytes == 4)
+        return LAUNCH((rope_kernel<T, N, int32_t>), grid, block, stream)(
+            qo, ko, qi, ki, tb, static_cast<const int32_t*>(positions), q_stride, k_stride,
+            q_heads, k_heads, head_dim);
+      return LAUNCH((rope_kernel<T, N, int64_t>), grid, block, stream)(
+          qo, ko, qi, ki, tb, static_cast<const int64_t*>(positions), q_stride, k_stride,
           q_heads, k_heads, head_dim);
-    return LAUNCH((rope_kernel<T, int64_t>), grid, block, stream)(
-        qo, ko, qi, ki, tb, static_cast<const int64_t*>(positions), q_stride, k_stride, q_heads,
-        k_heads, head_dim);
+    };
+    constexpr int N = 16 / sizeof(T);
+    const bool wide = (head_dim / 2 | q_stride | k_stride) % N == 0 && aligned16(qo) &&
+                      aligned16(ko) && aligned16(qi) && aligned16(ki);
+    return wide ? go(std::integral_constant<int, N>{}) : go(std::integral_constant<int, 1>{});
   });
 }
 
 int silu_and_mul(void* out, const void* x, int dtype, int64_t rows, int64_t d, void* stream) {
   if (rows * d == 0) return 0;
-  const int64_t blocks = (rows * d + 255) / 256;
-  const dim3 grid(unsigned(blocks < 4096 ? blocks : 4096)), block(256);
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    return LAUNCH(silu_and_mul_kernel<T>, grid, block, stream)(
-        static_cast<T*>(out), static_cast<const T*>(x), rows, d);
+    constexpr int N = 16 / sizeof(T);
+    auto* o = static_cast<T*>(out);
+    auto* xx = static_cast<const T*>(x);
+    auto go = [&](auto width) {
+      constexpr int n = decltype(width)::value;
+      const int64_t blocks = (rows * d / n + 255) / 256;
+      const dim3 grid(unsigned(blocks < 4096 ? blocks : 4096)), block(256);
+      return LAUNCH((silu_and_mul_kernel<T, n>), grid, block, stream)(o, xx, rows, d);
+    };
+    const bool wide = d % N == 0 && aligned16(o) && aligned16(xx);
+    return wide ? go(std::integral_constant<int, N>{}) : go(std::integral_constant<int, 1>{});
+  });
+}
+
+// out: [rows] int32 tokens; temperatures: [rows] float32 (chapter 21)
+int sample(void* out, const void* logits, const void* temperatures, int dtype, int64_t rows,
+           int64_t row_stride, int64_t vocab, uint64_t seed, uint64_t step, void* stream) {
+  if (rows == 0) return 0;
+  return by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    auto* o = static_cast<int32_t*>(out);
+    auto* l = static_cast<const T*>(logits);
+    auto* t = static_cast<const float*>(temperatures);
+    const dim3 grid{unsigned(rows)}, block{threads_for(vocab)};
+    const bool packed = (vocab | row_stride) % 4 == 0 &&
+                        reinterpret_cast<uintptr_t>(l) % (4 * sizeof(T)) == 0;
+    if (packed)
+      return LAUNCH((sample_kernel<T, 4>), grid, block, stream)(o, l, t, row_stride, vocab, seed,
+                                                                step);
+    return LAUNCH((sample_kernel<T, 1>), grid, block, stream)(o, l, t, row_stride, vocab, seed,
+                                                              step);
   });
 }
 
