@@ -61,10 +61,14 @@ SERVING_H200 = [Serving(f"2026-12-02-h200-ch21_serving-{who}.json", "Qwen3-0.6B 
 
 # (label, source file, configuration): the bars of throughput.svg, top to bottom
 BARS = [
+    ("ours torch 后端 (eager, 重叠关)", "2026-12-02-h200-ch21_ablate.json", "ours:torch:eager:off"),
     ("ours torch 后端 (eager, 重叠开)", "2026-12-02-h200-ch21_ablate.json", "ours:torch:eager:on"),
+    ("ours FlashInfer (eager, 重叠关)", "2026-12-02-h200-ch21_ablate.json", "ours:fi:eager:off"),
     ("ours FlashInfer (eager, 重叠开)", "2026-12-02-h200-ch21_ablate.json", "ours:fi:eager:on"),
     ("ours FlashInfer+图 (重叠关)", "2026-12-02-h200-ch21_offline.json", "ours:fi:graph:off"),
     ("ours FlashInfer+图+重叠，采样排序*", "2026-12-02-h200-ch21_offline-a746c97.txt",
+     "ours:fi:graph:on"),
+    ("ours FlashInfer+图+重叠，第 19 章 kernel†", "2026-12-02-h200-ch21_offline-0bf2c45.json",
      "ours:fi:graph:on"),
     ("ours FlashInfer+图+重叠", "2026-12-02-h200-ch21_offline.json", "ours:fi:graph:on"),
     ("官方 FlashInfer+图+重叠", "2026-12-02-h200-ch21_offline.json", "official:fi:graph:on"),
@@ -73,6 +77,7 @@ FLOOR_TOK_S = 40_000  # the chapter's estimate from KV and weight reads per step
 # (label, profile file, engine): the bars of step.svg, top to bottom; the files' tok/s are not
 # plotted (see step())
 PROFILES = [("ours，采样排序*", "2026-12-02-h200-ch21_profile-a746c97.json", "ours"),
+            ("ours，第 19 章 kernel†", "2026-12-02-h200-ch21_profile-0bf2c45.json", "ours"),
             ("ours", "2026-12-02-h200-ch21_profile.json", "ours"),
             ("官方", "2026-12-02-h200-ch21_profile.json", "official")]
 
@@ -81,7 +86,7 @@ CATEGORIES = [
     ("注意力", "#4e79a7", r"BatchDecode|BatchPrefill"),
     ("矩阵乘", "#f28e2b", r"nvjet|gemm|cutlass"),
     ("采样", "#e15759", r"radix_sort|RadixSort|softmax|sampling|fill_reverse_indices|multinomial"
-                       r"|exponential"),
+                       r"|exponential|sample_kernel"),
     ("归一化", "#76b7b2", r"rms_?norm"),
     ("RoPE", "#59a14f", r"rope|rotary"),
     ("激活", "#edc948", r"silu|act_and_mul"),
@@ -153,7 +158,7 @@ def throughput(path: Path) -> None:
         labels.append(label)
         values.append(float(rows[config]["tok_s"]))
         colours.append(OFFICIAL if config.startswith("official") else OURS)
-    fig, ax = plt.subplots(figsize=(WIDTH, 4.1))
+    fig, ax = plt.subplots(figsize=(WIDTH, 5.2))
     y = range(len(labels))
     ax.barh(y, values, color=colours, height=0.62)
     for i, v in zip(y, values):
@@ -167,11 +172,11 @@ def throughput(path: Path) -> None:
     ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")
     ax.set_xlabel("输出吞吐（tok/s，越高越好）")
     ax.set_title("H200 · 随机权重 Qwen3-0.6B 形状 · nano-vllm 负载（256 请求）", loc="left")
-    caption(fig, "2026-12-02；中位数（3 轮），eager 两行各 1 轮；蓝：ours，橙：官方 mini-sglang；"
+    caption(fig, "2026-12-02；中位数（3 轮），eager 四行各 1 轮；蓝：ours，橙：官方 mini-sglang；"
                  "图 = CUDA 图，重叠 = 重叠调度\n"
-                 "* 修正采样器之前（a746c97），另一次调用；数据："
-                 "benchmark/results/2026-12-02-h200-ch21_*")
-    fig.tight_layout(rect=(0, 0.09, 1, 1))
+                 "* 修正采样器之前（a746c97）、† 改 kernel 之前（0bf2c45），各是另一次调用；"
+                 "数据：benchmark/results/…-h200-ch21_*")
+    fig.tight_layout(rect=(0, 0.075, 1, 1))
     save(fig, path)
 
 
@@ -276,7 +281,7 @@ def step(path: Path) -> None:
         rows = json.loads((RESULTS / file).read_text())["rows"]
         bars.append((label, next(r for r in rows if r["config"].startswith(engine + ":"))))
     colours = {name: c for name, c, _ in CATEGORIES} | {OUTSIDE[0]: OUTSIDE[1]}
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.9))
+    fig, ax = plt.subplots(figsize=(WIDTH, 4.6))
     used: set[str] = set()
     for i, (_, row) in enumerate(bars):
         p = row["profile"]
@@ -302,12 +307,12 @@ def step(path: Path) -> None:
     ax.set_title("一个解码步的 GPU 时间去了哪里 · H200 · FlashInfer+图+重叠", loc="left")
     order = [n for n in colours if n in used]
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in order],
-              labels=order, loc="upper center", bbox_to_anchor=(0.5, -0.27), ncol=len(order),
+              labels=order, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=5,
               frameon=False, handlelength=1.2, columnspacing=1.0)
     caption(fig, "2026-12-02；torch profiler，运行中段 50 步；按内核名归类前 15 个内核。"
                  "竖线：墙钟时间，与 GPU 忙的差是 GPU 空等主机的时间\n"
-                 "* 修正采样器之前（a746c97），另一次调用")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+                 "* 修正采样器之前（a746c97）、† 第 21 章改 kernel 之前（0bf2c45），各是另一次调用")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     save(fig, path)
 
 
