@@ -30,7 +30,8 @@ def free_port() -> int:
 class Server:
     """`python -m minisgl` in a subprocess, its ipc folder and log under `tmp`."""
 
-    def __init__(self, model: Path, tmp: Path, *flags: str) -> None:
+    def __init__(self, model: Path, tmp: Path, *flags: str, debug: bool = True) -> None:
+        """debug: serve /debug/* (the tests read the processes and the scheduler's stats)."""
         self.tmp, self.port = tmp, free_port()
         package_root = Path(importlib.util.find_spec("minisgl").origin).parent.parent
         env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join(
@@ -39,16 +40,21 @@ class Server:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "minisgl", "--model", str(model), "--port", str(self.port),
-                 "--max-seq-len-override", str(MAX_SEQ_LEN), "--num-pages", "8192", *flags],
+                 "--max-seq-len-override", str(MAX_SEQ_LEN), "--num-pages", "8192",
+                 *(["--enable-debug"] if debug else []), *flags],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.health: dict[str, Any] = {}
+        self.processes: dict[str, int] = {}  # name -> pid, from /debug/processes once ready
 
     def request(self, method: str, path: str, body: bytes | dict | None = None,
-                timeout: float = 30) -> tuple[int, bytes]:
+                timeout: float = 30, headers: dict[str, str] | None = None
+                ) -> tuple[int, bytes]:
+        """One HTTP request; a body goes as JSON unless headers say otherwise."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             data = json.dumps(body).encode() if isinstance(body, dict) else body
-            conn.request(method, path, body=data)
+            sent = {"Content-Type": "application/json"} if data is not None else {}
+            conn.request(method, path, body=data, headers=sent | (headers or {}))
             r = conn.getresponse()
             return r.status, r.read()
         finally:
@@ -64,6 +70,8 @@ class Server:
                 seen.append(status)
                 if status == 200:
                     self.health = json.loads(body)
+                    status, body = self.request("GET", "/debug/processes", timeout=5)
+                    self.processes = json.loads(body) if status == 200 else {}
                     return seen
             except OSError:
                 pass
@@ -89,7 +97,7 @@ class Server:
             raise
 
     def pids(self) -> list[int]:
-        return list(self.health["processes"].values())
+        return list(self.processes.values())
 
 
 def gone(pids: list[int], timeout_s: float) -> bool:

@@ -36,10 +36,13 @@ def free_port() -> int:
 
 
 def wait_healthy(base: str, server: subprocess.Popen, timeout_s: float = 300) -> dict:
+    """Once /health says 200: the processes, name -> pid (a debug route: --enable-debug)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and server.poll() is None:
         try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+            with urllib.request.urlopen(f"{base}/health", timeout=5):
+                pass
+            with urllib.request.urlopen(f"{base}/debug/processes", timeout=5) as r:
                 return json.load(r)
         except OSError:  # refused, or 503 while the processes start
             time.sleep(0.5)
@@ -50,10 +53,11 @@ def main() -> None:
     port, tmp = free_port(), tempfile.mkdtemp(prefix="ch15-")
     env = dict(os.environ, TMPDIR=tmp)  # the server's ipc folder goes there: easy to check
     server = subprocess.Popen([sys.executable, "-m", "minisgl", "--model", str(MODEL),
-                               "--port", str(port)], env=env, stderr=subprocess.DEVNULL)
+                               "--port", str(port), "--enable-debug"], env=env,
+                              stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
-    health = wait_healthy(base, server)
-    print(f"/health 200: {sorted(health['processes'])}")
+    processes = wait_healthy(base, server)
+    print(f"/health 200; /debug/processes: {sorted(processes)}")
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none",
                            _strict_response_validation=True)
     chat = [{"role": "user", "content": QUESTIONS[0]}]
@@ -94,7 +98,7 @@ def main() -> None:
     server.send_signal(signal.SIGTERM)
     code = server.wait(timeout=30)
     alive = []
-    for pid in health["processes"].values():
+    for pid in processes.values():
         try:
             os.kill(pid, 0)
             alive.append(pid)

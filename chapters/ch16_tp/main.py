@@ -74,18 +74,21 @@ def serve_tp(size: int, chat: list[dict], expected: str) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "minisgl", "--model", str(MODEL),
-                               "--port", str(port), "--tp", str(size)], stderr=subprocess.DEVNULL)
+                               "--port", str(port), "--tp", str(size), "--enable-debug"],
+                              stderr=subprocess.DEVNULL)
     base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
     while True:
         try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                health = json.load(r)
+            with urllib.request.urlopen(f"{base}/health", timeout=5):
+                pass
+            with urllib.request.urlopen(f"{base}/debug/processes", timeout=5) as r:
+                processes = json.load(r)  # name -> pid (a debug route: --enable-debug)
                 break
         except OSError:  # refused, or 503 while the ranks start
             if server.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"no server (exit code {server.poll()})") from None
             time.sleep(0.5)
-    print(f"--tp {size}: {len(health['processes'])} processes {sorted(health['processes'])}")
+    print(f"--tp {size}: {len(processes)} processes {sorted(processes)}")
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
     chunks = client.chat.completions.create(model="any", messages=chat, temperature=0,
                                             max_tokens=MAX_TOKENS, stream=True)
@@ -93,7 +96,7 @@ def serve_tp(size: int, chat: list[dict], expected: str) -> None:
     print(f"streamed over HTTP: {text!r}; same as offline: {text == expected}")
     server.send_signal(signal.SIGTERM)
     code = server.wait(timeout=30)
-    left = [p for p in health["processes"].values() if psutil.pid_exists(p)]
+    left = [p for p in processes.values() if psutil.pid_exists(p)]
     print(f"SIGTERM: exit code {code}, processes left {len(left)}")
 
 

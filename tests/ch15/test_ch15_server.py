@@ -60,7 +60,7 @@ def greedy(server: Server, **kw: Any) -> Any:
 # --- the contract --------------------------------------------------------------------------------
 
 def test_health_models_and_a_loopback_bind(server: Server, model: Path) -> None:
-    assert sorted(server.health["processes"]) == ["launcher", "scheduler", "tokenizer"]
+    assert sorted(server.processes) == ["launcher", "scheduler", "tokenizer"]
     [m] = server.client().models.list().data
     assert m.id == model.name and m.object == "model"
     listening = [c for c in psutil.Process(server.proc.pid).net_connections("tcp")
@@ -95,9 +95,8 @@ def test_finish_reason_is_length_exactly_at_max_tokens(server: Server) -> None:
     stop = full[len(full) // 2:len(full) // 2 + 2]
     cut = greedy(server, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop" and cut.message.content == full[:full.index(stop)]
-    room = server.client().completions.create(  # more than the context has room for: clipped
-        model="tiny", prompt=[5, 6, 7], max_tokens=10 * MAX_SEQ_LEN, temperature=0,
-        extra_body={"ignore_eos": True})
+    room = server.client().completions.create(  # no max_tokens: as many as the context holds
+        model="tiny", prompt=[5, 6, 7], temperature=0, extra_body={"ignore_eos": True})
     assert room.choices[0].finish_reason == "length"
     assert room.usage.prompt_tokens + room.usage.completion_tokens == MAX_SEQ_LEN
 
@@ -194,7 +193,7 @@ def _drop_mid_stream(server: Server) -> None:
     body = json.dumps({"prompt": [9, 8, 7], "max_tokens": 400, "stream": True,
                        "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
                   b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         seen = b""
         while seen.count(b"data: ") < 2:
@@ -206,8 +205,8 @@ def _drop_mid_stream(server: Server) -> None:
 def _drop_before_the_answer(server: Server) -> None:
     body = json.dumps({"prompt": [9, 8, 7], "max_tokens": 400, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-                  % (len(body), body))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         time.sleep(0.3)  # running by now; 400 tokens take far longer
 
 
@@ -231,15 +230,17 @@ def test_clients_that_go_away_give_back_every_row_and_page(server: Server) -> No
 def test_workers_then_sigterm_leaves_nothing(model: Path, tmp_path: Path,
                                              server: Server) -> None:
     expected = greedy(server).choices[0].message.content
-    s = Server(model, tmp_path, "--num-tokenizer", "2")
+    s = Server(model, tmp_path, "--num-tokenizer", "2", "--shutdown-timeout", "1")
+    got: list[tuple[int, bytes]] = []
     try:
         seen = s.wait_ready()
         assert seen[0] == 503 and seen[-1] == 200  # answering, but "starting", at first
-        assert sorted(s.health["processes"]) == ["detokenizer", "launcher", "scheduler",
-                                                 "tokenizer-0", "tokenizer-1"]
+        assert sorted(s.processes) == ["detokenizer", "launcher", "scheduler", "tokenizer-0",
+                                       "tokenizer-1"]
         assert greedy(s).choices[0].message.content == expected
-        stream = threading.Thread(target=lambda: s.request(
-            "POST", COMPLETIONS_URL, {"prompt": [1, 2], "max_tokens": 400, "stream": True}))
+        stream = threading.Thread(target=lambda: got.append(s.request(
+            "POST", COMPLETIONS_URL, {"prompt": [1, 2], "max_tokens": 500, "stream": True,
+                                      "ignore_eos": True})))
         stream.start()  # a request in flight when the signal comes
         time.sleep(0.5)
         start = time.monotonic()
@@ -249,6 +250,11 @@ def test_workers_then_sigterm_leaves_nothing(model: Path, tmp_path: Path,
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
+    # not cut silently: 1 s after the signal the stream ended with an error event, then [DONE]
+    [(status, raw)] = got
+    events = sse_events(raw)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert "shutting down" in json.loads(events[-2])["error"]["message"]
     assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]  # no ipc folder left
 
 
@@ -256,7 +262,7 @@ def test_a_dead_scheduler_stops_the_server_with_an_error(model: Path, tmp_path: 
     s = Server(model, tmp_path)
     try:
         s.wait_ready()
-        os.kill(s.health["processes"]["scheduler"], signal.SIGKILL)
+        os.kill(s.processes["scheduler"], signal.SIGKILL)
         try:  # until the launcher notices: 503, or a closed port once it has stopped
             status, _ = s.request("GET", "/health", timeout=5)
             assert status in (200, 503)
@@ -266,7 +272,7 @@ def test_a_dead_scheduler_stops_the_server_with_an_error(model: Path, tmp_path: 
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
-    pid = s.health["processes"]["scheduler"]
+    pid = s.processes["scheduler"]
     assert f"the scheduler process (pid {pid}) exited with code -9" in s.log.read_text()
     assert gone(s.pids(), 5)
     assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]

@@ -45,7 +45,7 @@ def _generate(server: Server, prompt: list[int], n: int) -> str:
 
 
 def test_four_processes_and_hf_greedy_tokens(tp2: Server, model: Path) -> None:
-    assert sorted(tp2.health["processes"]) == ["launcher", "scheduler-0", "scheduler-1",
+    assert sorted(tp2.processes) == ["launcher", "scheduler-0", "scheduler-1",
                                                "tokenizer"]
     expected = AutoTokenizer.from_pretrained(model).decode(hf_greedy(model, PROMPT, 8)[0],
                                                            skip_special_tokens=True)
@@ -87,12 +87,12 @@ def test_a_dead_rank_stops_the_server_with_exit_1(model: Path, tmp_path: Path) -
     s = Server(model, tmp_path, "--tp", "2")
     try:
         s.wait_ready()
-        os.kill(s.health["processes"]["scheduler-1"], signal.SIGKILL)
+        os.kill(s.processes["scheduler-1"], signal.SIGKILL)
         assert s.proc.wait(timeout=20) == 1  # rank 0 would wait in a collective: not for long
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
-    pid = s.health["processes"]["scheduler-1"]
+    pid = s.processes["scheduler-1"]
     assert f"the scheduler-1 process (pid {pid}) exited with code -9" in s.log.read_text()
     assert gone(s.pids(), 10)
     assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]

@@ -21,6 +21,7 @@ class UserMsg:
     uid: int
     input_ids: torch.Tensor
     sampling_params: SamplingParams
+    cache_salt: str = ""  # shares cached prefixes only with the same salt (chapter 15)
 
 
 @message

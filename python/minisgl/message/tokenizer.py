@@ -22,6 +22,7 @@ class TokenizeMsg:
     prompt: str | list[dict[str, str]] | list[int]
     sampling_params: SamplingParams
     stop: list[str]  # cut the output before the first of these strings (chapter 13)
+    cache_salt: str = ""  # shares cached prefixes only with the same salt (chapter 15)
 
 
 @message

@@ -22,6 +22,7 @@ class PendingReq:
     input_ids: torch.Tensor  # int32 on the CPU: the whole prompt
     sampling_params: SamplingParams
     chunked_req: ChunkedReq | None = None  # chapter 10
+    cache_salt: str = ""  # shares cached prefixes only with the same salt (chapter 15)
 
     @property
     def input_len(self) -> int:

@@ -6,29 +6,46 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from minisgl.message import UserReply
 
 from .frontend import FrontendManager
+from .limits import Guard, Limits
 from .protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    ErrorResponse,
     GenerateRequest,
-    parse,
     usage,
+    validation_error,
 )
 from .protocol import Response as Shape
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+# the answers every route may give besides 200, documented in /openapi.json
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": what} for code, what in [
+        (400, "the request is malformed or asks for what this server cannot do"),
+        (401, "--api-key is set and the request has no valid key"),
+        (408, "the body did not come in time"),
+        (413, "the body is over --max-request-bytes"),
+        (415, "the body is not JSON"),
+        (429, "--max-queued-requests are waiting already"),
+        (503, "the server is starting, shutting down, or one of its processes died")]}
+_STREAM = {"content": {"text/event-stream": {}}, "description": "the answer, or its events"}
 
 
 class ClientGone(Exception):
@@ -36,91 +53,103 @@ class ClientGone(Exception):
 
 
 def create_app(model_name: str, max_seq_len: int,
-               manager: Callable[[], FrontendManager]) -> FastAPI:
+               manager: Callable[[], FrontendManager], limits: Limits | None = None) -> FastAPI:
     """The app. `manager()` gives the FrontendManager, made once the event loop runs."""
+    limits = limits or Limits()
     app = FastAPI(title="minisgl", docs_url=None, redoc_url=None)
+    app.add_middleware(Guard, limits=limits, state=lambda: manager().state)
     started = int(time.time())
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(e.status_code, str(e.detail), kind=kind).body(),
-                            status_code=e.status_code)
+                            status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = validation_error(list(e.errors()))
+        return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, e: Exception) -> JSONResponse:  # never meant to happen
-        err = APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        err = APIError(500, "internal error; the server log has the details", kind="server_error")
         return JSONResponse(err.body(), status_code=500)
-
-    def ready() -> FrontendManager:
-        m = manager()
-        if m.state != "ready":
-            raise APIError(503, f"the server is {m.state}; retry later",
-                           kind="service_unavailable")
-        return m
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        m = manager()
-        return JSONResponse({"status": m.state, "processes": m.processes},
-                            status_code=200 if m.state == "ready" else 503)
+        """200 once the server can serve; 503 while it starts, drains or has failed."""
+        state = manager().state
+        return JSONResponse({"status": state}, status_code=200 if state == "ready" else 503)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_ERRORS)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "created": started, "owned_by": "minisgl",
                                             "max_model_len": max_seq_len}]}
 
-    @app.get("/debug/scheduler")
-    async def scheduler_stats(request: Request) -> dict[str, Any]:
-        """The scheduler's own count of its rows and pages, and when idle its integrity
-        check: how the tests see that every client that went away gave its memory back."""
-        reply = await ready().stats()
-        if reply is None:
-            raise APIError(503, f"the scheduler did not answer; the server is {manager().state}",
-                           kind="service_unavailable")
-        return dataclasses.asdict(reply)
+    if limits.enable_debug:
+        @app.get("/debug/scheduler", responses=_ERRORS)
+        async def scheduler_stats() -> dict[str, Any]:
+            """The scheduler's own count of its rows and pages, and when idle its integrity
+            check: how the tests see that every client that went away gave its memory back."""
+            reply = await manager().stats()
+            if reply is None:
+                raise APIError(503, f"the scheduler did not answer; the server is "
+                               f"{manager().state}", kind="service_unavailable")
+            return dataclasses.asdict(reply)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        req: ChatRequest = parse(ChatRequest, await request.body())
-        req.refuse_unsupported()
-        params, stop = req.sampling(req.max_completion_tokens or req.max_tokens, max_seq_len)
-        prompt = [m.as_template_input() for m in req.messages]
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _answer(request, ready(), Shape(True, model_name), prompt, params, stop,
-                             req.stream, include_usage)
+        @app.get("/debug/processes", responses=_ERRORS)
+        async def processes() -> dict[str, int]:
+            """Every process of the server, name -> pid."""
+            return manager().processes
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req: CompletionRequest = parse(CompletionRequest, await request.body())
-        req.refuse_unsupported()
-        params, stop = req.sampling(req.max_tokens, max_seq_len)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _answer(request, ready(), Shape(False, model_name), req.single_prompt(),
-                             params, stop, req.stream, include_usage)
+    @app.post("/v1/chat/completions", responses={200: _STREAM, **_ERRORS})
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        body.refuse_unsupported()
+        params, stop = body.sampling(body.max_completion_tokens or body.max_tokens, max_seq_len)
+        prompt = [m.as_template_input() for m in body.messages]
+        return await _answer(request, manager(), Shape(True, model_name), prompt, params, stop,
+                             bool(body.stream), body.include_usage, body.cache_salt)
 
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        req: GenerateRequest = parse(GenerateRequest, await request.body())
-        req.refuse_unsupported()
-        params, stop = req.sampling(req.max_tokens, max_seq_len)
-        return await _answer(request, ready(), None, req.single_prompt(), params, stop,
-                             req.stream, True)
+    @app.post("/v1/completions", responses={200: _STREAM, **_ERRORS})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        body.refuse_unsupported()
+        params, stop = body.sampling(body.max_tokens, max_seq_len)
+        return await _answer(request, manager(), Shape(False, model_name), body.single_prompt(),
+                             params, stop, bool(body.stream), body.include_usage, body.cache_salt)
 
+    @app.post("/generate", responses={200: _STREAM, **_ERRORS})
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        body.refuse_unsupported()
+        params, stop = body.sampling(body.max_tokens, max_seq_len, temperature=0.0)
+        return await _answer(request, manager(), None, body.single_prompt(), params, stop,
+                             bool(body.stream), True, body.cache_salt)
+
+    schema = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema, less the 422 it lists for every body: this server answers 400."""
+        out = schema()
+        for path in out["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        return out
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
 async def _answer(request: Request, m: FrontendManager, shape: Shape | None,
                   prompt: str | list[dict[str, str]] | list[int], params: Any, stop: list[str],
-                  stream: bool, include_usage: bool) -> Response:
+                  stream: bool, include_usage: bool, cache_salt: str | None) -> Response:
     """Submit, wait for the first reply (so that an error can still be a 4xx), then answer
     whole or as server-sent events. A client that goes away aborts the request."""
-    uid = await m.submit(prompt, params, stop)
+    uid = await m.submit(prompt, params, stop, cache_salt or "")
     replies = m.replies(uid)
     try:
         first = await _unless_gone(request, replies.__anext__())
@@ -179,7 +208,7 @@ async def _collect(first: UserReply, replies: AsyncIterator[UserReply]) -> tuple
 
 
 def _error_of(reply: UserReply, m: FrontendManager) -> APIError:
-    if m.state.startswith("failed"):
+    if m.state != "ready":  # a process died, or the server stopped the request on shutdown
         return APIError(503, reply.error or m.state, kind="service_unavailable")
     return APIError(400, reply.error or "the request failed")
 

@@ -22,6 +22,8 @@ from minisgl.message import (
 )
 from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
+from .protocol import APIError
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,7 +39,10 @@ class FrontendManager:
     """Made inside the server's event loop. `state` is what /health reports: "starting" until
     every process is ready, then "ready"; "stopping" or "failed: ..." at the end."""
 
-    def __init__(self, to_tokenizer: str, bind_to_tokenizer: bool, from_tokenizer: str) -> None:
+    def __init__(self, to_tokenizer: str, bind_to_tokenizer: bool, from_tokenizer: str,
+                 max_requests: int | None = None) -> None:
+        self.max_requests = max_requests  # requests in flight at most (--max-queued-requests)
+        self.requests = 0  # in flight now: submitted, not yet finished or given up
         self.to_tokenizer = ZmqAsyncPushQueue[TokenizerMsg](to_tokenizer, bind_to_tokenizer)
         self.from_tokenizer = ZmqAsyncPullQueue(from_tokenizer, bind=True, expected=FrontendMsg)
         self.uids = itertools.count()
@@ -65,10 +70,19 @@ class FrontendManager:
                 inbox.event.set()
 
     async def submit(self, prompt: str | list[dict[str, str]] | list[int],
-                     params: SamplingParams, stop: list[str]) -> int:
+                     params: SamplingParams, stop: list[str], cache_salt: str = "") -> int:
+        """Send a request on; an APIError if the queue is full (429) or it cannot be sent."""
+        if self.max_requests is not None and self.requests >= self.max_requests:
+            raise APIError(429, f"{self.requests} requests are in flight already "
+                           "(--max-queued-requests); retry later", kind="rate_limit_error",
+                           headers={"Retry-After": "1"})
         uid = next(self.uids)
+        try:  # encoded before the first await: nothing is sent if this fails
+            await self.to_tokenizer.put(TokenizeMsg(uid, prompt, params, stop, cache_salt))
+        except (TypeError, ValueError, OverflowError) as e:  # a value msgpack cannot carry
+            raise APIError(400, f"the request cannot be sent to the tokenizer: {e}") from None
         self.inboxes[uid] = _Inbox()
-        await self.to_tokenizer.put(TokenizeMsg(uid, prompt, params, stop))
+        self.requests += 1
         return uid
 
     async def replies(self, uid: int) -> AsyncIterator[UserReply]:
@@ -86,6 +100,7 @@ class FrontendManager:
                     yield reply
         finally:
             del self.inboxes[uid]
+            self.requests -= 1
             if not finished:
                 self.abort(uid)
 
@@ -116,6 +131,11 @@ class FrontendManager:
     def fail(self, error: str) -> None:
         """A process died: every request waiting gets an error, and no new one is taken."""
         self.state = f"failed: {error}"
+        self.end_all(error)
+
+    def end_all(self, error: str) -> None:
+        """Every request in flight ends now with an error: a stream gets an error event and
+        [DONE], a whole answer a 503 (a failure, or the end of a drain on shutdown)."""
         for uid, inbox in self.inboxes.items():
             inbox.replies.append(UserReply(uid, "", True, "error", error=error))
             inbox.event.set()

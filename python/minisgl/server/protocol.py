@@ -2,52 +2,124 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from minisgl.core import SamplingParams
 
+INT64_MAX = 2**63 - 1  # every integer a request carries fits the messages between processes
+TOKEN_ID_MAX = 2**31 - 1  # prompts travel as int32; the tokenizer checks the vocabulary
+
 
 class APIError(Exception):
-    """An error a client gets as OpenAI's JSON body, with an HTTP status."""
+    """An error a client gets as OpenAI's JSON body, with an HTTP status (and headers such as
+    Retry-After or Allow)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = (status, message, param,
                                                                       kind, code)
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
 
 
-class _Request(BaseModel):
-    """Fields every generation endpoint takes. Strict: "0.5" is not a number, 1.5 not an int.
-    Fields we do not know are ignored, as OpenAI's own server does with most of them; those
-    whose meaning we cannot honour are refused by name."""
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx answer of this server (documented in /openapi.json)."""
+
+    error: ErrorDetail
+
+
+# Fields of OpenAI's API that this server does not implement: accepted only with the value
+# that asks for nothing (so clients that send defaults work), refused by name otherwise.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "seed": (None,), "logprobs": (None, False),
+    "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none"), "function_call": (None, "none"), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's; ignored: usage comes at the end
+
+
+Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
+Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Request(BaseModel):
+    """Fields every generation endpoint takes. Strict: "0.5" is not a number, 1.5 not an int;
+    `null` means the default, as in OpenAI's API. A field this server does not know is refused
+    by name, and so is a known one asking for what it does not implement."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    max_tokens: Count | None = None
+    temperature: Number | None = Field(None, ge=0.0)
+    top_p: Number | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX,
+                              description="-1: no cut; at or above the vocabulary: no cut")
     stop: str | list[str] | None = None
-    stream: bool = False
-    ignore_eos: bool = False
-    n: int = 1
-    seed: int | None = None
-    logprobs: bool | int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    cache_salt: str | None = Field(None, min_length=1, description=(
+        "requests share cached prefixes only with requests of the same salt"))
+    n: Any = None
+    best_of: Any = None
+    seed: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    suffix: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    # these describe the caller or ask OpenAI to keep data: they change no answer, so they are
+    # accepted and ignored
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    parallel_tool_calls: Any = None
 
     @field_validator("top_k")
     @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v != -1 and v < 1:
+    def _top_k(cls, v: int | None) -> int | None:
+        if v is not None and v == 0:
             raise ValueError("must be -1 (no limit) or at least 1")
         return v
 
@@ -56,41 +128,66 @@ class _Request(BaseModel):
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop strings")
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("a stop string must not be empty")
         return v
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "n must be 1: this server returns one choice per request", "n")
-        if self.seed is not None:
-            raise APIError(400, "seed is not supported: one random generator serves every "
-                           "request; use temperature 0 for repeatable output", "seed")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
+        """400, naming the field, for each part of OpenAI's API this server does not do."""
+        for name, neutral in _NEUTRAL.items():
+            value = getattr(self, name)
+            if not any(_same(value, v) for v in neutral):
+                raise APIError(400, f"{name} is not supported by this server; leave it out "
+                               f"(or send {_show(neutral[-1])})", name)
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true",
+                           "stream_options")
 
-    def sampling(self, max_tokens: int | None, limit: int) -> tuple[SamplingParams, list[str]]:
-        """The scheduler's SamplingParams (no max_tokens: the context's room, which the
-        scheduler clips to), and the stop strings."""
-        params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                ignore_eos=self.ignore_eos, max_tokens=max_tokens or limit)
+    def sampling(self, max_tokens: int | None, max_seq_len: int, temperature: float = 1.0
+                 ) -> tuple[SamplingParams, list[str]]:
+        """The scheduler's SamplingParams and the stop strings. Without max_tokens the request
+        may fill the context: it is sent as max_seq_len, which the scheduler takes as "as many
+        as fit". An explicit one must leave room for a prompt (the scheduler then checks that
+        prompt + max_tokens fits)."""
+        if max_tokens is not None and max_tokens >= max_seq_len:
+            raise APIError(400, f"max_tokens is {max_tokens}, but this server's context is "
+                           f"{max_seq_len} tokens, prompt included; ask for at most "
+                           f"{max_seq_len - 1}", "max_tokens")
+        params = SamplingParams(
+            temperature=temperature if self.temperature is None else self.temperature,
+            top_k=-1 if self.top_k is None else self.top_k,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            ignore_eos=bool(self.ignore_eos), max_tokens=max_tokens or max_seq_len)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return params, stop
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    include_usage: bool = False
+
+def _same(a: Any, b: Any) -> bool:
+    """a == b, except that a bool equals only a bool (0 is not False, 1 is not True)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a is b if a is None or b is None else a == b
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value)
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
 
     def as_template_input(self) -> dict[str, str]:
         content = self.content
@@ -101,13 +198,14 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    stream_options: StreamOptions | None = None
+    max_completion_tokens: Count | None = None
+
+
+TokenIds = list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]]
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str]
-    stream_options: StreamOptions | None = None
+    prompt: str | TokenIds | list[str]
 
     def single_prompt(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
@@ -121,9 +219,29 @@ class CompletionRequest(_Request):
 
 
 class GenerateRequest(CompletionRequest):
-    """/generate: a prompt (text or token ids) in, text out; SSE when streaming."""
+    """/generate: a prompt (text or token ids) in, text out; SSE when streaming. Greedy unless
+    a temperature is given: a tool for checking outputs."""
 
-    temperature: float = Field(0.0, ge=0.0)  # greedy unless asked: a tool for checking outputs
+
+def validation_error(e: ValidationError | list[Any]) -> APIError:
+    """The 400 for a body that does not fit its model, naming the first bad field."""
+    errors = e.errors() if isinstance(e, ValidationError) else e
+    err = max(errors, key=lambda x: len(x["loc"]))  # of a union's branches, the one that got
+    if err["type"] == "json_invalid":             # furthest
+        return APIError(400, f"the body is not valid JSON: {err.get('msg', '')}")
+    loc = [str(x) for x in err["loc"] if x != "body" and not _branch(x)]
+    param = ".".join(loc) or None
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"unknown field {param}: this server does not implement it", param)
+    message = err["msg"]
+    if err["type"] == "missing" and param is None:
+        message = "the body is empty: send a JSON object"
+    return APIError(400, f"{param}: {message}" if param else message, param)
+
+
+def _branch(part: Any) -> bool:
+    """A union branch pydantic names in an error's location ("str", "list[int]"), not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:
@@ -131,11 +249,7 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        if err["type"] == "json_invalid":
-            raise APIError(400, f"the body is not valid JSON: {err['msg']}") from None
-        param = ".".join(str(x) for x in err["loc"]) or None
-        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param) from None
+        raise validation_error(e) from None
 
 
 class Response:

@@ -63,7 +63,7 @@ class TokenizerServer:
                     replies.append(UserReply(msg.uid, "", True, "error", error=error))
                     continue
                 setups.append(DetokenizeSetupMsg(msg.uid, len(ids), msg.stop))
-                to_scheduler.append(UserMsg(msg.uid, ids, msg.sampling_params))
+                to_scheduler.append(UserMsg(msg.uid, ids, msg.sampling_params, msg.cache_salt))
             elif isinstance(msg, AbortMsg):
                 to_scheduler.append(AbortBackendMsg(msg.uid))
             elif isinstance(msg, DetokenizeSetupMsg):

@@ -49,7 +49,8 @@ class Sampler:
         if all(p.is_greedy for p in params):
             return BatchSamplingArgs(temperatures=None)
         temps = [max(0.0 if p.is_greedy else p.temperature, MIN_TEMPERATURE) for p in params]
-        ks = [p.top_k if p.top_k >= 1 else self.vocab_size for p in params]
+        ks = [min(p.top_k, self.vocab_size) if p.top_k >= 1 else self.vocab_size
+              for p in params]  # k at or above the vocabulary: no cut
         ps = [min(max(p.top_p, MIN_TOP_P), 1.0) for p in params]
         args = BatchSamplingArgs(torch.tensor(temps, dtype=torch.float32, device=self.device))
         if any(k < self.vocab_size for k in ks):

@@ -51,16 +51,23 @@ class ServerScheduler(Scheduler):
         for m in msgs:
             if isinstance(m, ExitMsg):
                 raise SchedulerExit
-            if isinstance(m, AbortBackendMsg):
-                self.abort_req(m.uid)
-            elif isinstance(m, StatsMsg):  # blocking: nothing to run and nothing in flight
-                answers.append(self._stats(m.uid, idle=blocking))
-            elif self.aborted.pop(m.uid, None) is not None:  # its abort overtook it
-                self.send_result([TokenReply(m.uid, -1, True, "abort")])
-            elif (error := self._check(m)) is not None:
-                answers.append(DetokenizeMsg(m.uid, -1, True, "error", error))
-            else:
-                reqs.append(PendingReq(m.uid, m.input_ids, m.sampling_params))
+            try:
+                if isinstance(m, AbortBackendMsg):
+                    self.abort_req(m.uid)
+                elif isinstance(m, StatsMsg):  # blocking: nothing to run and nothing in flight
+                    answers.append(self._stats(m.uid, idle=blocking))
+                elif self.aborted.pop(m.uid, None) is not None:  # its abort overtook it
+                    self.send_result([TokenReply(m.uid, -1, True, "abort")])
+                elif (error := self._check(m)) is not None:
+                    answers.append(DetokenizeMsg(m.uid, -1, True, "error", error))
+                else:
+                    reqs.append(PendingReq(m.uid, m.input_ids, m.sampling_params,
+                                           cache_salt=m.cache_salt))
+            except Exception as e:  # a bug that one message hit: it fails, the server goes on
+                logger.exception("scheduler: message %s failed", type(m).__name__)
+                if isinstance(m, UserMsg):
+                    answers.append(DetokenizeMsg(m.uid, -1, True, "error",
+                                                 f"internal error: {type(e).__name__}"))
         if answers:
             self.outbox.put(BatchTokenizerMsg(answers))
         return reqs
@@ -95,6 +102,11 @@ class ServerScheduler(Scheduler):
                     f"so a prompt may have at most {self.max_seq_len - 1}")
         if int(msg.input_ids.min()) < 0 or int(msg.input_ids.max()) >= self.vocab_size:
             return f"token ids must be in [0, {self.vocab_size})"
+        asked = msg.sampling_params.max_tokens  # max_seq_len itself: "as many as fit"
+        if asked < self.config.max_seq_len and n + asked > self.max_seq_len:
+            return (f"the prompt has {n} tokens and max_tokens is {asked}: {n + asked} in all, "
+                    f"over this server's context of {self.max_seq_len} tokens; ask for at most "
+                    f"{self.max_seq_len - n} or shorten the prompt")
         return None
 
     def send_result(self, replies: list[TokenReply]) -> None:

@@ -11,6 +11,9 @@ import torch
 from minisgl.models import load_hf_config
 from minisgl.scheduler import SchedulerConfig
 
+from . import limits
+from .limits import Limits
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -21,6 +24,7 @@ class ServerArgs:
     port: int
     num_tokenizer: int
     shell: bool
+    limits: Limits  # what a client may do and use (chapter 15)
 
     @property
     def model_name(self) -> str:
@@ -59,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="prefix cache")
     p.add_argument("--shell-mode", "--shell", action="store_true", dest="shell",
                    help="chat in this terminal instead of serving HTTP")
+    limits.add_flags(p)
     a = p.parse_args(argv)
     if a.tp_size != 1:
         p.error(f"--tp-size {a.tp_size}: tensor parallelism arrives in chapter 16")
@@ -73,7 +78,11 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         page_size=a.page_size, memory_ratio=a.memory_ratio,
         max_seq_len_override=a.max_seq_len_override, num_page_override=a.num_pages,
         cache_type=a.cache_type, max_extend_tokens=a.max_extend_tokens)
-    return ServerArgs(config, a.host, a.port, a.num_tokenizer, a.shell)
+    try:
+        bounds = limits.from_flags(a, a.max_running_requests)
+    except ValueError as e:
+        p.error(str(e))
+    return ServerArgs(config, a.host, a.port, a.num_tokenizer, a.shell, bounds)
 
 
 def _dtype(name: str, model_path: str) -> torch.dtype:

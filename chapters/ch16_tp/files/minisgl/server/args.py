@@ -13,6 +13,9 @@ from minisgl.distributed.shard import local_config
 from minisgl.models import ModelConfig, load_hf_config
 from minisgl.scheduler import SchedulerConfig
 
+from . import limits
+from .limits import Limits
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -23,6 +26,7 @@ class ServerArgs:
     port: int
     num_tokenizer: int
     shell: bool
+    limits: Limits  # what a client may do and use (chapter 15)
 
     @property
     def tp_size(self) -> int:
@@ -65,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="prefix cache")
     p.add_argument("--shell-mode", "--shell", action="store_true", dest="shell",
                    help="chat in this terminal instead of serving HTTP")
+    limits.add_flags(p)
     a = p.parse_args(argv)
     if a.num_tokenizer < 0:
         p.error(f"--num-tokenizer must be 0 or more, not {a.num_tokenizer}")
@@ -80,7 +85,11 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         max_seq_len_override=a.max_seq_len_override, num_page_override=a.num_pages,
         cache_type=a.cache_type, max_extend_tokens=a.max_extend_tokens,
         tp_info=DistributedInfo(0, a.tp_size))
-    return ServerArgs(config, a.host, a.port, a.num_tokenizer, a.shell)
+    try:
+        bounds = limits.from_flags(a, a.max_running_requests)
+    except ValueError as e:
+        p.error(str(e))
+    return ServerArgs(config, a.host, a.port, a.num_tokenizer, a.shell, bounds)
 
 
 def _tp_error(tp: int, model_path: str) -> str | None:
