@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import schemathesis
+from schemathesis.engine import events, from_schema
 
 from serving import Server
-
-schemathesis = pytest.importorskip("schemathesis")
-from schemathesis.engine import events, from_schema  # noqa: E402
 
 MAX_EXAMPLES = 300  # per operation in the fuzzing phase; the coverage phase sends its own set
 DEADLINE_S = 150  # the whole run: past it the engine stops; what was sent is still judged

@@ -78,8 +78,8 @@ class _Request(BaseModel):
     max_tokens: Count | None = None
     temperature: Number | None = Field(None, ge=0.0)
     top_p: Number | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=INT64_MAX,
-                              description="-1: no cut; at or above the vocabulary: no cut")
+    top_k: Literal[-1] | Count | None = Field(
+        None, description="-1: no cut; at or above the vocabulary: no cut")
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -115,13 +115,6 @@ class _Request(BaseModel):
     safety_identifier: Any = None
     prompt_cache_key: Any = None
     parallel_tool_calls: Any = None
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int | None) -> int | None:
-        if v is not None and v == 0:
-            raise ValueError("must be -1 (no limit) or at least 1")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -201,20 +194,17 @@ class ChatRequest(_Request):
     max_completion_tokens: Count | None = None
 
 
-TokenIds = list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
 
 
 class CompletionRequest(_Request):
-    prompt: str | TokenIds | list[str]
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=1)] = Field(
+        description="text, token ids, or a list of one text (one prompt per request)")
 
     def single_prompt(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise APIError(400, "one prompt per request: send several requests instead",
-                               "prompt")
-            return str(self.prompt[0])
-        if not self.prompt:
-            raise APIError(400, "the prompt is empty", "prompt")
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
+            return self.prompt[0]
         return self.prompt  # type: ignore[return-value]
 
 
@@ -224,24 +214,30 @@ class GenerateRequest(CompletionRequest):
 
 
 def validation_error(e: ValidationError | list[Any]) -> APIError:
-    """The 400 for a body that does not fit its model, naming the first bad field."""
+    """The 400 for a body that does not fit its model, naming the first bad field. Of a union's
+    branches, a wrong value ("at least 1 item") says more than a wrong type ("a valid string")."""
     errors = e.errors() if isinstance(e, ValidationError) else e
-    err = max(errors, key=lambda x: len(x["loc"]))  # of a union's branches, the one that got
-    if err["type"] == "json_invalid":             # furthest
-        return APIError(400, f"the body is not valid JSON: {err.get('msg', '')}")
-    loc = [str(x) for x in err["loc"] if x != "body" and not _branch(x)]
+    if any(err["type"] == "json_invalid" for err in errors):
+        return APIError(400, "the body is not valid JSON")
+    found = [(err["type"].endswith("_type"), [str(x) for x in err["loc"]
+                                               if x != "body" and not _branch(x)], err)
+             for err in errors]
+    kind, loc, err = min(found, key=lambda f: (f[0], -len(f[1])))
     param = ".".join(loc) or None
     if err["type"] == "extra_forbidden":
         return APIError(400, f"unknown field {param}: this server does not implement it", param)
-    message = err["msg"]
     if err["type"] == "missing" and param is None:
-        message = "the body is empty: send a JSON object"
+        return APIError(400, "the body is empty: send a JSON object")
+    said = dict.fromkeys(f[2]["msg"] for f in found if f[0] == kind and f[1] == loc)
+    message = " or ".join(said)
     return APIError(400, f"{param}: {message}" if param else message, param)
 
 
 def _branch(part: Any) -> bool:
-    """A union branch pydantic names in an error's location ("str", "list[int]"), not a field."""
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+    """A union branch pydantic names in an error's location ("str", "list[int]",
+    "constrained-str", "literal[-1]"), not a field."""
+    return isinstance(part, str) and (
+        "[" in part or part.startswith(("constrained-", "function-")) or part in ("str", "int"))
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:
