@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -39,9 +39,12 @@ class BaseKVCachePool(ABC):
 @dataclass(frozen=True)
 class BaseCacheHandle(ABC):
     """What a prefix match found: its first `cached_len` tokens already have K/V in the cache.
-    While a request holds its handle locked, those pages cannot be evicted (chapter 9)."""
+    While a request holds its handle locked, those pages cannot be evicted (chapter 9).
+    `salt` is the cache salt of the match: the request's K/V are inserted under it later, and
+    only requests with the same salt share cached prefixes (the default "" is one tenant)."""
 
     cached_len: int
+    salt: str = field(default="", kw_only=True)
 
     @abstractmethod
     def get_matched_indices(self) -> torch.Tensor:
@@ -68,8 +71,9 @@ class BasePrefixCache(ABC):
     reuses_prefixes = True  # False for a cache that never matches anything
 
     @abstractmethod
-    def match_prefix(self, input_ids: torch.Tensor) -> BaseCacheHandle:
-        """The longest cached page-aligned prefix of input_ids. Adds and removes nothing (it may
+    def match_prefix(self, input_ids: torch.Tensor, salt: str = "") -> BaseCacheHandle:
+        """The longest cached page-aligned prefix of input_ids among those inserted with the
+        same salt; the handle carries the salt. Adds and removes nothing (it may
         split a node and marks what it touched as recently used); the slots are safe to use only
         once the handle is locked."""
 
@@ -78,8 +82,10 @@ class BasePrefixCache(ABC):
         """Protect (or release) the handle's prefix from eviction: a reference count."""
 
     @abstractmethod
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
-        """Record that slots `indices` hold the K/V of `input_ids` (only whole pages are kept)."""
+    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor,
+                      salt: str = "") -> InsertResult:
+        """Record that slots `indices` hold the K/V of `input_ids` (only whole pages are kept),
+        for matches with the same salt only."""
 
     @abstractmethod
     def evict(self, size: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,13 +23,14 @@ class NaivePrefixCache(BasePrefixCache):
     def __init__(self, page_size: int, device: torch.device) -> None:
         self.handle = NaiveCacheHandle(0, torch.empty(0, dtype=torch.int32, device=device))
 
-    def match_prefix(self, input_ids: torch.Tensor) -> BaseCacheHandle:
-        return self.handle
+    def match_prefix(self, input_ids: torch.Tensor, salt: str = "") -> BaseCacheHandle:
+        return replace(self.handle, salt=salt) if salt else self.handle
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
         pass
 
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor,
+                      salt: str = "") -> InsertResult:
         return InsertResult(0, self.handle)  # nothing kept: the caller frees every slot
 
     def evict(self, size: int) -> torch.Tensor:

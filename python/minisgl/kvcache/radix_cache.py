@@ -53,21 +53,33 @@ class RadixCacheHandle(BaseCacheHandle):
 
 
 class RadixPrefixCache(BasePrefixCache):
+    """One tree per cache salt, so that a match never crosses salts. The default salt's root is
+    always there; another salt's is made by its first insertion and dropped by the eviction
+    that empties it. The sizes, the clock and the LRU order of eviction span all the trees."""
+
     def __init__(self, page_size: int, device: torch.device) -> None:
         self.page_size = page_size
-        empty = torch.empty(0, dtype=torch.int32)
-        self.root = RadixNode(empty, empty.to(device), None, 0)
-        self.root.ref_count = 1  # the root holds nothing and is never evicted
+        self._empty = torch.empty(0, dtype=torch.int32, device=device)
+        self.root = self._new_root()  # the default salt ""
+        self.roots: dict[str, RadixNode] = {"": self.root}
         self.evictable_size = 0
         self.protected_size = 0
         self._tick = 0
 
+    def _new_root(self) -> RadixNode:
+        root = RadixNode(torch.empty(0, dtype=torch.int32), self._empty, None, 0)
+        root.ref_count = 1  # a root holds nothing and is never evicted
+        return root
+
     def _child_key(self, ids: torch.Tensor) -> Hashable:
         return tuple(ids[: self.page_size].tolist())
 
-    def match_prefix(self, input_ids: torch.Tensor) -> BaseCacheHandle:
-        node, length = self._walk(input_ids)
-        return RadixCacheHandle(length, node)
+    def match_prefix(self, input_ids: torch.Tensor, salt: str = "") -> BaseCacheHandle:
+        root = self.roots.get(salt)
+        if root is None:  # nothing cached under this salt: an empty match, at any root
+            return RadixCacheHandle(0, self.root, salt=salt)
+        node, length = self._walk(root, input_ids)
+        return RadixCacheHandle(length, node, salt=salt)
 
     def lock_handle(self, handle: BaseCacheHandle, unlock: bool = False) -> None:
         assert isinstance(handle, RadixCacheHandle)
@@ -87,17 +99,21 @@ class RadixPrefixCache(BasePrefixCache):
                 node.ref_count += 1
             node = node.parent
 
-    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor) -> InsertResult:
+    def insert_prefix(self, input_ids: torch.Tensor, indices: torch.Tensor,
+                      salt: str = "") -> InsertResult:
         length = len(input_ids) // self.page_size * self.page_size  # whole pages only
         input_ids, indices = input_ids[:length], indices[:length]
-        node, matched = self._walk(input_ids)
+        root = self.roots.get(salt)
+        if root is None:
+            root = self.roots[salt] = self._new_root()
+        node, matched = self._walk(root, input_ids)
         if matched < length:  # a new leaf for the part the tree does not have yet
             leaf = RadixNode(input_ids[matched:].clone(), indices[matched:].clone(), node,
                              self._tick)
             node.children[self._child_key(leaf.key)] = leaf
             self.evictable_size += leaf.length
             node = leaf
-        return InsertResult(matched, RadixCacheHandle(length, node))
+        return InsertResult(matched, RadixCacheHandle(length, node, salt=salt))
 
     def evict(self, size: int) -> torch.Tensor:
         if size > self.evictable_size:
@@ -117,13 +133,20 @@ class RadixPrefixCache(BasePrefixCache):
             self.evictable_size -= node.length
             if parent.parent is not None and not parent.children and parent.ref_count == 0:
                 heapq.heappush(leaves, parent)  # it has just become an unreferenced leaf
-        return torch.cat(freed) if freed else self.root.value
+        # a salt's emptied tree goes, or every salt ever seen would keep a root
+        self.roots = {s: r for s, r in self.roots.items() if r.children or r is self.root}
+        return torch.cat(freed) if freed else self._empty
 
     @property
     def size_info(self) -> SizeInfo:
         return SizeInfo(self.evictable_size, self.protected_size)
 
     def check_integrity(self) -> None:
+        if self.roots.get("") is not self.root:
+            raise RuntimeError("radix cache: the default salt's root is missing")
+        for salt, root in self.roots.items():
+            if root.parent is not None or root.length or root.ref_count != 1:
+                raise RuntimeError(f"radix cache: the root of salt {salt!r} is not a bare root")
         evictable = protected = 0
         for node in self._nodes():
             if node.parent is None:
@@ -151,18 +174,19 @@ class RadixPrefixCache(BasePrefixCache):
                                f"recorded {self.evictable_size}/{self.protected_size}")
 
     def _nodes(self) -> list[RadixNode]:
-        nodes, stack = [], [self.root]
+        nodes, stack = [], list(self.roots.values())
         while stack:
             node = stack.pop()
             nodes.append(node)
             stack.extend(node.children.values())
         return nodes
 
-    def _walk(self, input_ids: torch.Tensor) -> tuple[RadixNode, int]:
-        """Follow input_ids down the tree page by page; split the last node if the match ends
-        inside it. Returns the deepest matched node and the matched (page-aligned) length."""
+    def _walk(self, root: RadixNode, input_ids: torch.Tensor) -> tuple[RadixNode, int]:
+        """Follow input_ids down the tree of `root` page by page; split the last node if the
+        match ends inside it. Returns the deepest matched node and the matched (page-aligned)
+        length."""
         self._tick += 1
-        node, matched = self.root, 0
+        node, matched = root, 0
         while len(input_ids) - matched >= self.page_size:
             child = node.children.get(self._child_key(input_ids[matched:]))
             if child is None:

@@ -34,8 +34,9 @@ class CacheManager:
 
     def match_req(self, req: PendingReq) -> BaseCacheHandle:
         """The cached prefix of a prompt, leaving at least its last token to compute: a prefill
-        must run on at least one token to produce the logits of the first output token."""
-        return self.prefix_cache.match_prefix(req.input_ids[: req.input_len - 1])
+        must run on at least one token to produce the logits of the first output token. Only
+        prefixes cached under the request's salt count; the handle carries the salt."""
+        return self.prefix_cache.match_prefix(req.input_ids[: req.input_len - 1], req.cache_salt)
 
     def lock(self, handle: BaseCacheHandle) -> None:
         self.prefix_cache.lock_handle(handle)
@@ -69,8 +70,9 @@ class CacheManager:
         - [new.cached_len, cached_len): the last partial page, which the cache does not take:
           still ours while we run, freed when we finish."""
         slots = self.page_table[req.table_idx, : req.cached_len]
-        old = req.cache_handle
-        in_cache, new = self.prefix_cache.insert_prefix(req.input_ids[: req.cached_len], slots)
+        old = req.cache_handle  # its salt is the request's: the insertion goes under it
+        in_cache, new = self.prefix_cache.insert_prefix(req.input_ids[: req.cached_len], slots,
+                                                        old.salt)
         self.unlock(old)
         if in_cache > old.cached_len:
             spare = slots[old.cached_len : in_cache].clone()

@@ -131,12 +131,14 @@ class PrefillManager:
     def _shares_with(self, pending: PendingReq, batch: list[Req]) -> bool:
         """Does a request already in this batch hold a prefix of ours that the cache does not
         have yet? Requests of one batch cannot read each other's K/V, so computing that prefix
-        twice would be waste: better wait one step and find it in the cache (chapter 9)."""
-        if not batch or not self.cache_manager.prefix_cache.reuses_prefixes:
+        twice would be waste: better wait one step and find it in the cache (chapter 9). Only
+        a request with our salt counts: we would never find another salt's prefix there."""
+        same_salt = [r for r in batch if r.cache_handle.salt == pending.cache_salt]
+        if not same_salt or not self.cache_manager.prefix_cache.reuses_prefixes:
             return False
         cached = self.cache_manager.match_req(pending).cached_len
         ids = pending.input_ids[:-1]
-        shared = max(match_len(r.input_ids, ids) for r in batch)
+        shared = max(match_len(r.input_ids, ids) for r in same_salt)
         return shared - cached >= max(DEFER_MIN_SHARED, self.cache_manager.page_size)
 
     @property
