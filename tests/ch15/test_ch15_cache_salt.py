@@ -6,6 +6,7 @@ which salt each slot and page belongs to), with planted salt-blind caches that m
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.utils import PendingReq
 
 from reference import hf_greedy
+from serving import Server
 
 CPU = torch.device("cpu")
 SALTS = ("", "a", "b")
@@ -563,3 +565,31 @@ MANAGER_SETTINGS = settings(max_examples=25, stateful_step_count=30, derandomize
 def test_cache_manager_with_salts_conserves_pages() -> None:
     """25 examples of up to 30 steps, page sizes 1 and 4, derandomized."""
     run_state_machine_as_test(SaltedManagerMachine, settings=MANAGER_SETTINGS)
+
+
+# --- over HTTP: the salt travels from the request body to the radix tree ------------------------
+
+def test_cache_salt_over_http(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """The cache-timing leak, closed: a prompt sent under another salt (or none) reuses nothing
+    of it, while the same salt reuses all but the last token."""
+    s = Server(model_dir("tiny-qwen3"), tmp_path)
+    try:
+        s.wait_ready()
+        prompt = list(range(100, 140))
+
+        def cached_after(**extra: str) -> int:
+            before = s.stats()["cached_tokens"]
+            status, raw = s.request("POST", "/v1/completions", {"prompt": prompt,
+                                                                "max_tokens": 1, **extra})
+            assert status == 200, raw
+            return s.stats()["cached_tokens"] - before
+
+        assert cached_after(cache_salt="tenant-a") == 0  # first time: nothing cached
+        assert cached_after(cache_salt="tenant-a") == len(prompt) - 1
+        assert cached_after(cache_salt="tenant-b") == 0  # the other tenant sees no hit
+        assert cached_after() == 0  # nor does an unsalted request
+        assert cached_after() == len(prompt) - 1  # unsalted ones share, as before
+        status, raw = s.request("POST", "/v1/completions", {"prompt": prompt, "cache_salt": ""})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "cache_salt"
+    finally:
+        s.stop()

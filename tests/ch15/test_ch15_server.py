@@ -193,8 +193,8 @@ def _drop_mid_stream(server: Server) -> None:
     body = json.dumps({"prompt": [9, 8, 7], "max_tokens": 400, "stream": True,
                        "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
-                  b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         seen = b""
         while seen.count(b"data: ") < 2:
             chunk = s.recv(4096)

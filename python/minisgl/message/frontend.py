@@ -40,6 +40,7 @@ class StatsReply:
     free_pages: int
     total_pages: int
     integrity: str | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache so far
 
 
 @message

@@ -126,7 +126,7 @@ class ServerScheduler(Scheduler):
         return StatsReply(uid, idle, self.aborted_reqs, len(self.prefill_manager.pending),
                           len(self.decode_manager.running), self.table_manager.available_size,
                           self.config.max_running_req, len(cache.free_slots), cache.num_pages,
-                          integrity)
+                          integrity, self.stats.cached_tokens)
 
     def _check(self, msg: UserMsg) -> str | None:
         """Why a request can never run here, or None. Answered at once: a request is never
