@@ -137,3 +137,45 @@ def test_the_shell_at_tp2(model: Path, tmp_path: Path) -> None:
     ready, answer = out.stdout.split("\n", 1)
     assert "is ready" in ready and len(answer.strip()) > 0
     assert not list(tmp_path.iterdir())  # no ipc folder left
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["scheduler-0", "scheduler-2"])
+def test_kill_9_of_a_rank_under_load_at_tp_3(victim: str, model_dir: Callable[[str], Path],
+                                             tmp_path: Path) -> None:
+    """SmolLM2 (9 query and 3 KV heads) splits three ways. With 8 streams running, one rank is
+    killed: the server exits 1, every stream ends with an error (an error event and [DONE], or a
+    503 if no token came yet, or the closed connection once the launcher is gone), and no
+    process or ipc file is left."""
+    s = Server(model_dir("SmolLM2-135M-Instruct"), tmp_path, "--tp", "3")
+    results: list[tuple[int, bytes]] = []
+
+    def stream() -> None:
+        try:
+            results.append(s.request("POST", "/v1/completions", {
+                "prompt": [7, 8, 9], "max_tokens": 300, "stream": True, "ignore_eos": True},
+                timeout=60))
+        except OSError:
+            results.append((0, b""))
+
+    try:
+        s.wait_ready(timeout_s=300)
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(8):
+                pool.submit(stream)
+            time.sleep(1.0)
+            os.kill(s.processes[victim], signal.SIGKILL)
+            assert s.proc.wait(timeout=30) == 1
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    assert f"the {victim} process" in s.log.read_text()
+    assert gone(s.pids(), 10)
+    assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]
+    assert len(results) == 8
+    for status, raw in results:
+        if status == 503:
+            assert f"the {victim} process" in json.loads(raw)["error"]["message"]
+        elif status:
+            assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw[-300:]
+            assert b'"error"' in raw.rsplit(b"data: ", 2)[1] or b"finish_reason" in raw

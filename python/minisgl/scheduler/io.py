@@ -41,6 +41,8 @@ class ServerScheduler(Scheduler):
     step through the same batches: rank 0 receives, forwards each frame as it is to the other
     ranks (ZMQ PUB/SUB on `fanout`) and broadcasts how many it forwarded; only rank 0 replies."""
 
+    decode_between_chunks = True  # running streams keep flowing while a long prompt fills
+
     def __init__(self, config: SchedulerConfig, inbox: str, outbox: str, fanout: str = "") -> None:
         super().__init__(config)
         self.vocab_size = config.model_config.vocab_size

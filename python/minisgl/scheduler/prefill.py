@@ -144,3 +144,8 @@ class PrefillManager:
     @property
     def runnable(self) -> bool:
         return bool(self.pending)
+
+    @property
+    def chunking(self) -> bool:
+        """A prompt is part-way through its prefill (chapter 15 gives decoding a turn then)."""
+        return bool(self.pending) and self.pending[0].chunked_req is not None

@@ -51,6 +51,8 @@ ForwardData = tuple[ForwardInput, ForwardOutput]
 
 
 class Scheduler:
+    decode_between_chunks = False  # the server turns it on (chapter 15)
+
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.engine = Engine(config)
@@ -75,6 +77,7 @@ class Scheduler:
         self.finished_reqs: set[Req] = set()  # finished while the next batch was in flight
         self.aborted: dict[int, float] = {}  # uid -> when; stopped at its next token (ch. 14)
         self.stats = SchedulerStats()
+        self.decode_turn = False  # the last batch was a prefill (see _schedule_next_batch)
 
     # -- the I/O a subclass provides: the offline LLM here, the server's process in chapter 14
     def receive_reqs(self, blocking: bool) -> list[PendingReq]:
@@ -170,14 +173,21 @@ class Scheduler:
         self.engine.shutdown()
 
     def _schedule_next_batch(self) -> ForwardInput | None:
-        """Prefill first (new requests start early), else decode every running request."""
-        if self.prefill_manager.runnable:
+        """Prefill first (new requests start early), else decode every running request. With
+        `decode_between_chunks` (the server's), while a prompt is prefilled in chunks the
+        running requests get every other step: a long prompt slows their streams instead of
+        stopping them (chapter 15)."""
+        batch = None
+        if self.decode_between_chunks and self.decode_turn and self.prefill_manager.chunking:
+            batch = self.decode_manager.schedule_next_batch()
+        if batch is None and self.prefill_manager.runnable:
             # A prefill may reuse the table row of a request that finished while the batch now
             # in flight still writes its last token there: let our stream's copies into that
             # row wait for it (a device-side wait; the host goes on).
             self.stream.wait_stream(self.engine.stream)
-        batch = (self.prefill_manager.schedule_next_batch(self.config.max_extend_tokens)
-                 or self.decode_manager.schedule_next_batch())
+            batch = self.prefill_manager.schedule_next_batch(self.config.max_extend_tokens)
+        batch = batch or self.decode_manager.schedule_next_batch()
+        self.decode_turn = batch is not None and batch.is_prefill
         return None if batch is None else self._prepare_batch(batch)
 
     def _prepare_batch(self, batch: Batch) -> ForwardInput:

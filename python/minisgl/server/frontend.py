@@ -48,7 +48,7 @@ class FrontendManager:
         self.uids = itertools.count()
         self.inboxes: dict[int, _Inbox] = {}
         self.state = "starting"
-        self.processes: dict[str, int] = {}  # name -> pid, shown by /health
+        self.processes: dict[str, int] = {}  # name -> pid, shown by /debug/processes
         self.sending: set[asyncio.Task[None]] = set()  # aborts on their way (kept referenced)
         self.closed = False
         self.listener = asyncio.get_running_loop().create_task(self._listen())
@@ -77,11 +77,12 @@ class FrontendManager:
                            "(--max-queued-requests); retry later", kind="rate_limit_error",
                            headers={"Retry-After": "1"})
         uid = next(self.uids)
+        self.inboxes[uid] = _Inbox()  # before sending: its first reply may come at any await
         try:  # encoded before the first await: nothing is sent if this fails
             await self.to_tokenizer.put(TokenizeMsg(uid, prompt, params, stop, cache_salt))
         except (TypeError, ValueError, OverflowError) as e:  # a value msgpack cannot carry
+            del self.inboxes[uid]
             raise APIError(400, f"the request cannot be sent to the tokenizer: {e}") from None
-        self.inboxes[uid] = _Inbox()
         self.requests += 1
         return uid
 

@@ -34,6 +34,8 @@ class ServerScheduler(Scheduler):
     """The same loop as the offline LLM (chapter 7): only the two I/O hooks differ. Requests
     come from the tokenizer process, tokens go to the detokenizer, one frame per step."""
 
+    decode_between_chunks = True  # running streams keep flowing while a long prompt fills
+
     def __init__(self, config: SchedulerConfig, inbox: str, outbox: str) -> None:
         super().__init__(config)
         self.vocab_size = config.model_config.vocab_size
