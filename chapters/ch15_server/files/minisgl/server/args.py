@@ -15,6 +15,9 @@ from . import limits
 from .limits import Limits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# prompt tokens per prefill step: while a long prompt fills in such steps, running streams get
+# every other step (chapter 15); on the CPU a smaller step keeps their gaps short (measured there)
+GPU_PREFILL_CHUNK, CPU_PREFILL_CHUNK = 8192, 256
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="largest batch replayed from a CUDA graph (used from chapter 18)")
     p.add_argument("--num-tokenizer", "--tokenizer-count", type=int, default=0,
                    help="tokenizer worker processes; 0: the detokenizer also tokenizes")
-    p.add_argument("--max-prefill-length", "--max-extend-length", type=int, default=8192,
-                   dest="max_extend_tokens", help="prompt tokens one prefill batch computes")
+    p.add_argument("--max-prefill-length", "--max-extend-length", type=int, default=None,
+                   dest="max_extend_tokens", help="prompt tokens one prefill step computes; "
+                   f"default {GPU_PREFILL_CHUNK} on a GPU, {CPU_PREFILL_CHUNK} on the CPU")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from memory)")
     p.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
     p.add_argument("--attention-backend", "--attn", default="auto",
@@ -77,12 +81,16 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         max_running_req=a.max_running_requests, attention_backend=a.attention_backend,
         page_size=a.page_size, memory_ratio=a.memory_ratio,
         max_seq_len_override=a.max_seq_len_override, num_page_override=a.num_pages,
-        cache_type=a.cache_type, max_extend_tokens=a.max_extend_tokens)
+        cache_type=a.cache_type, max_extend_tokens=a.max_extend_tokens or _prefill_chunk())
     try:
         bounds = limits.from_flags(a, a.max_running_requests)
     except ValueError as e:
         p.error(str(e))
     return ServerArgs(config, a.host, a.port, a.num_tokenizer, a.shell, bounds)
+
+
+def _prefill_chunk() -> int:
+    return GPU_PREFILL_CHUNK if torch.cuda.is_available() else CPU_PREFILL_CHUNK
 
 
 def _dtype(name: str, model_path: str) -> torch.dtype:
