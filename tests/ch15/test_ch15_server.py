@@ -250,11 +250,13 @@ def test_workers_then_sigterm_leaves_nothing(model: Path, tmp_path: Path,
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
-    # not cut silently: 1 s after the signal the stream ended with an error event, then [DONE]
+    # not cut silently: finished within the drain's 1 s, or ended by an error event; [DONE]
     [(status, raw)] = got
     events = sse_events(raw)
     assert status == 200 and events[-1] == "[DONE]"
-    assert "shutting down" in json.loads(events[-2])["error"]["message"]
+    last = json.loads(events[-2])
+    assert ("shutting down" in last["error"]["message"] if "error" in last
+            else last["choices"][0]["finish_reason"] == "length")
     assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]  # no ipc folder left
 
 
