@@ -139,7 +139,6 @@ def test_the_shell_at_tp2(model: Path, tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())  # no ipc folder left
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("victim", ["scheduler-0", "scheduler-2"])
 def test_kill_9_of_a_rank_under_load_at_tp_3(victim: str, model_dir: Callable[[str], Path],
                                              tmp_path: Path) -> None:
