@@ -2,7 +2,9 @@
 introduces it). Prompts of random token ids go to /v1/completions (or, with --backend chat, their
 text to /v1/chat/completions), streamed, at Poisson arrivals or all at once, for each rate of
 --request-rates in turn after one warm-up request; the metrics as SGLang's bench_serving defines
-them, one row per rate.
+them, one row per rate. Every request runs on one asyncio event loop over plain HTTP/1.1
+connections; each row also gives the client's own CPU seconds per second (near 1.0, the client
+would be the bottleneck and its timestamps late).
 
     python -m minisgl --model models/SmolLM2-135M-Instruct --port 1919 &
     python benchmark/bench_serving.py --port 1919 --num-prompts 16 --request-rates 2 inf
@@ -21,8 +23,8 @@ from the first send to the last reply.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
-import http.client
 import json
 import math
 import os
@@ -32,8 +34,8 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,41 +101,75 @@ def chunk_text(backend: str, event: dict[str, Any]) -> str:
     return choices[0].get("text") or ""
 
 
-def one_request(target: Target, prompt: list[int] | str, max_tokens: int) -> Result:
-    """One streamed request, timed chunk by chunk."""
-    body = json.dumps(request_body(target.backend, prompt, max_tokens))
+async def _post_stream(target: Target, body: bytes) -> tuple[int, asyncio.StreamReader,
+                                                               asyncio.StreamWriter, bool]:
+    """POSTs the body over a fresh HTTP/1.1 connection; returns the status, the open stream (at
+    the start of the body) and whether the body is chunked."""
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    head = (f"POST {ENDPOINTS[target.backend]} HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n")
+    writer.write(head.encode() + body)
+    status = int((await reader.readline()).split()[1])
+    chunked = False
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        if name.strip().lower() == "transfer-encoding" and "chunked" in value.lower():
+            chunked = True
+    return status, reader, writer, chunked
+
+
+async def _lines(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[bytes]:
+    """The body's lines as they arrive, through HTTP/1.1 chunked framing if there is one."""
+    if not chunked:
+        while line := await reader.readline():
+            yield line
+        return
+    pending = b""
+    while size := int((await reader.readline()).split(b";")[0], 16):
+        pending += await reader.readexactly(size)
+        await reader.readexactly(2)  # the chunk's CRLF
+        *done, pending = pending.split(b"\n")
+        for line in done:
+            yield line
+    if pending:
+        yield pending
+
+
+async def one_request_async(target: Target, prompt: list[int] | str, max_tokens: int) -> Result:
+    """One streamed request, timed event by event as the events arrive."""
+    body = json.dumps(request_body(target.backend, prompt, max_tokens)).encode()
     result, last, done = Result(), 0.0, False
-    conn = http.client.HTTPConnection(target.host, target.port, timeout=target.timeout)
+    writer = None
     start = time.perf_counter()
     try:
-        conn.request("POST", ENDPOINTS[target.backend], body,
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            result.error = f"HTTP {resp.status}: {resp.read()[:200]!r}"
-            return result
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data, now = line[5:].strip(), time.perf_counter()
-            result.e2e = now - start
-            if data == "[DONE]":
-                done = True
-                break
-            event = json.loads(data)
-            if "error" in event:
-                result.error = f"error event: {json.dumps(event['error'])[:200]}"
+        async with asyncio.timeout(target.timeout):
+            status, reader, writer, chunked = await _post_stream(target, body)
+            if status != 200:
+                result.error = f"HTTP {status}: {(await reader.read(200))!r}"
                 return result
-            if chunk_text(target.backend, event):
-                if result.ttft == 0.0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-            if event.get("usage"):
-                result.output_tokens = event["usage"]["completion_tokens"]
-                result.from_usage = True
+            async for raw in _lines(reader, chunked):
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data, now = line[5:].strip(), time.perf_counter()
+                result.e2e = now - start
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = f"error event: {json.dumps(event['error'])[:200]}"
+                    return result
+                if chunk_text(target.backend, event):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if event.get("usage"):
+                    result.output_tokens = event["usage"]["completion_tokens"]
+                    result.from_usage = True
         if not done:
             result.error = "the stream ended without [DONE]"
         elif result.ttft == 0.0:
@@ -142,45 +178,61 @@ def one_request(target: Target, prompt: list[int] | str, max_tokens: int) -> Res
             result.ok = True
             if not result.from_usage:
                 result.output_tokens = max_tokens  # right only because ignore_eos is sent
-    except (OSError, ValueError) as e:  # ValueError: a chunk that is not JSON
-        result.error = f"{type(e).__name__}: {e}"
+    except (OSError, ValueError, IndexError, TimeoutError, asyncio.IncompleteReadError) as e:
+        result.error = f"{type(e).__name__}: {e}"  # ValueError: a chunk that is not JSON
     finally:
-        conn.close()
+        if writer is not None:
+            writer.close()
     return result
 
 
-def run(target: Target, requests: list[tuple[list[int] | str, int]], rate: float,
-        max_concurrency: int = 0, seed: int = 0, progress: bool = True
-        ) -> tuple[list[Result], float]:
+def one_request(target: Target, prompt: list[int] | str, max_tokens: int) -> Result:
+    return asyncio.run(one_request_async(target, prompt, max_tokens))
+
+
+@dataclass
+class Run:
+    """One rate's requests: their results, the time from the first send to the last reply, and
+    the client's own CPU time over it (a client near 1 CPU-second per second cannot keep up,
+    and its timestamps come late)."""
+
+    results: list[Result]
+    duration: float
+    client_cpu: float
+
+
+async def run_async(target: Target, requests: list[tuple[list[int] | str, int]], rate: float,
+                    max_concurrency: int = 0, seed: int = 0, progress: bool = True) -> Run:
     """Sends the requests at their arrival times (Poisson at `rate` per second, all at once if
-    inf), at most max_concurrency in flight (0: no cap); returns the results and the duration,
-    from the first send to the last reply."""
+    inf), at most max_concurrency in flight (0: no cap), all from one event loop."""
     rng = random.Random(seed + 1)
-    results = [Result() for _ in requests]
-    slots = threading.BoundedSemaphore(max_concurrency or len(requests))
+    slots = asyncio.Semaphore(max_concurrency or len(requests))
     bar = tqdm(total=len(requests), desc=f"rate {rate:g}", unit="req", file=sys.stderr,
                disable=not progress, leave=False)
 
-    def send(i: int) -> None:
+    async def send(i: int) -> Result:
         try:
-            results[i] = one_request(target, *requests[i])
+            return await one_request_async(target, *requests[i])
         finally:
             slots.release()
             bar.update()
 
-    threads, start, due = [], time.perf_counter(), 0.0
+    tasks, cpu, start, due = [], time.process_time(), time.perf_counter(), 0.0
     for i in range(len(requests)):
         if rate != INF:
             due += rng.expovariate(rate)
-            time.sleep(max(0.0, start + due - time.perf_counter()))
-        slots.acquire()
-        threads.append(threading.Thread(target=send, args=(i,), daemon=True))
-        threads[-1].start()
-    for t in threads:
-        t.join()
+            await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
+        await slots.acquire()
+        tasks.append(asyncio.create_task(send(i)))
+    results = list(await asyncio.gather(*tasks))
     duration = time.perf_counter() - start
     bar.close()
-    return results, duration
+    return Run(results, duration, (time.process_time() - cpu) / duration)
+
+
+def run(target: Target, requests: list[tuple[list[int] | str, int]], rate: float,
+        max_concurrency: int = 0, seed: int = 0, progress: bool = True) -> Run:
+    return asyncio.run(run_async(target, requests, rate, max_concurrency, seed, progress))
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -197,8 +249,10 @@ def tpot(r: Result) -> float | None:
     return (r.e2e - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
 
 
-def summarize(rate: float, results: list[Result], duration: float) -> dict[str, Any]:
-    """One row of the report: counts, throughputs, and p50/p99 of each latency in ms."""
+def summarize(rate: float, results: list[Result], duration: float,
+              client_cpu: float | None = None) -> dict[str, Any]:
+    """One row of the report: counts, throughputs, p50/p99 of each latency in ms, and the
+    client's CPU seconds per second when known."""
     done = [r for r in results if r.ok]
     by_usage = sum(r.from_usage for r in done)
     row: dict[str, Any] = {
@@ -213,6 +267,8 @@ def summarize(rate: float, results: list[Result], duration: float) -> dict[str, 
     for name, xs in series.items():
         for q in (50, 99):
             row[f"{name}_ms_p{q}"] = 1e3 * percentile(xs, q)
+    if client_cpu is not None:
+        row["client_cpu"] = client_cpu
     errors = [r.error for r in results if not r.ok]
     if errors:
         row["first_error"] = errors[0]
@@ -224,12 +280,14 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     the output lengths."""
     head = (f"{'rate':>6} {'done':>5} {'fail':>4} {'dur s':>7} {'req/s':>7} {'tok/s':>8}"
             + "".join(f" {n + ' p50':>9} {n + ' p99':>9}" for n in ("TTFT", "ITL", "TPOT", "E2E")))
-    lines = [head + "   (latencies in ms)"]
+    lines = [head + " client   (latencies in ms; client: its CPU s/s)"]
     for r in rows:
+        cpu = r.get("client_cpu")
         lines.append(f"{r['rate']:>6} {r['completed']:>5} {r['failed']:>4} {r['duration_s']:>7.2f}"
                      f" {r['req_s']:>7.2f} {r['out_tok_s']:>8.1f}"
                      + "".join(f" {r[f'{n}_ms_p50']:>9.1f} {r[f'{n}_ms_p99']:>9.1f}"
-                               for n in ("ttft", "itl", "tpot", "e2e")))
+                               for n in ("ttft", "itl", "tpot", "e2e"))
+                     + (f" {cpu:>6.2f}" if cpu is not None else f" {'-':>6}"))
     for r in rows:
         if r["failed"]:
             lines.append(f"rate {r['rate']}: {r['failed']} failed; first error: {r['first_error']}")
@@ -316,8 +374,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"bench_serving: {a.backend} backend, {a.num_prompts} requests, max concurrency "
           f"{a.max_concurrency or 'none'}, input {a.input_len}, output {a.output_len}, "
           f"vocab {a.vocab}, seed {a.seed}", flush=True)
-    rows = [summarize(rate, *run(target, requests, rate, a.max_concurrency, a.seed))
-            for rate in a.request_rates]
+    runs = [run(target, requests, rate, a.max_concurrency, a.seed) for rate in a.request_rates]
+    rows = [summarize(rate, r.results, r.duration, r.client_cpu)
+            for rate, r in zip(a.request_rates, runs)]
     print("\n".join(table(rows)))
     report = {
         "bench": "serving", "machine": a.machine or machine(),

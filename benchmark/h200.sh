@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Chapter 21's GPU runs, as they were run on an H200: bash benchmark/h200.sh PART OUT
-#   PART: sampler, kernels, offline, profile, ablate, hf, moe, serve, serve1, tp2 (see each below)
+#   PART: sampler, kernels, offline, profile, ablate, hf, moe, online, serve, serve1, tp2 (see below)
 #   OUT:  a folder for the results (JSON + the printed text)
 # Needs: flashinfer-python 0.5.3 and the server's packages importable (the wheels went to a
 # folder on PYTHONPATH); Q06: the random Qwen3-0.6B shape, made if missing; OFFICIAL: the
@@ -72,6 +72,11 @@ moe)
 tp2)  # chapter 16 on two GPUs (issue "11 ·"): TP=2 against TP=1, the server at --tp 2, speed
     python tools/models.py tiny tiny-qwen3 tiny-llama tiny-qwen2 tiny-mistral > /dev/null
     python tools/gpu_tp.py --model "$Q06" 2>&1 | quiet | tee "$OUT/ch16_tp2.txt"
+    ;;
+online)  # both servers side by side, rounds in turns: 1/16/64/256 in flight, two Poisson rates
+    python benchmark/online.py --model "$Q06" --engine ours=$PWD/python --engine official=$OFFICIAL \
+        --rounds 3 --concurrency 1 16 64 256 --rates 16 32 --rate-seconds 10 --trace \
+        --out "$OUT/online" 2>&1 | quiet | tee "$OUT/ch21_online.txt"
     ;;
 serve)  # both servers under Poisson arrivals at 8 requests/s, then all 64 at once
     for e in ours:$PWD/python official:$OFFICIAL; do

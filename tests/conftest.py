@@ -19,6 +19,9 @@ import pytest
 
 # `tools/steps.py` runs a chapter's tests in a temporary tree and tells us where the repo is.
 REPO = Path(os.environ.get("MINISGL_REPO") or Path(__file__).resolve().parents[1])
+# LLM.generate walks every KV page once it is done, when asked to (it costs ~0.1 s per call at
+# a GPU's pool size, so it is off unless asked): every test asks
+os.environ.setdefault("MINISGL_CHECK_INTEGRITY", "1")
 MODELS = REPO / "models"
 SMOLLM2 = "SmolLM2-135M-Instruct"
 # Inside a materialised chapter tree the chapter's own modules sit at the tree root; in the

@@ -150,7 +150,7 @@ def test_against_our_server(model_dir: Callable[[str], Path], tmp_path: Path) ->
                                       "backend": "completions", "max_concurrency": 2}
         assert [r["rate"] for r in report["rows"]] == ["inf", 20.0]
         for row in report["rows"]:
-            assert row["completed"] == 5 and row["failed"] == 0
+            assert row["completed"] == 5 and row["failed"] == 0 and row["client_cpu"] > 0
             assert row["output_len_source"] == "usage"
             assert all(row[f"{n}_ms_p{q}"] > 0 for n in ("ttft", "itl", "tpot", "e2e")
                        for q in (50, 99))
@@ -159,9 +159,10 @@ def test_against_our_server(model_dir: Callable[[str], Path], tmp_path: Path) ->
         requests = bench.workload(3, (8, 32), (4, 8), 500, 1)
         texts = [(f"Count to {n}: one two", n) for _, n in requests]
         for backend, prompts in (("completions", requests), ("chat", texts)):
-            results, _ = bench.run(bench.Target(port=s.port, backend=backend, timeout=60),
-                                   prompts, float("inf"), progress=False)
-            for r, (_, max_tokens) in zip(results, requests):
+            run = bench.run(bench.Target(port=s.port, backend=backend, timeout=60),
+                            prompts, float("inf"), progress=False)
+            assert 0 < run.client_cpu < 4  # CPU seconds per second: one thread, some C
+            for r, (_, max_tokens) in zip(run.results, requests):
                 assert r.ok, r.error
                 assert r.from_usage and r.output_tokens == max_tokens
                 assert 0 < r.ttft <= r.e2e

@@ -19,7 +19,13 @@ from minisgl.distributed.shard import local_config, shard_of
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.models import create_model, load_weight
 from minisgl.moe import BaseMoeBackend, create_moe_backend, resolve_moe_backend
-from minisgl.utils.device import create_event, create_stream, pick_device, set_cpu_threads
+from minisgl.utils.device import (
+    create_event,
+    create_stream,
+    pick_device,
+    set_cpu_threads,
+    set_host_threads,
+)
 
 from .config import EngineConfig
 from .graph import GraphRunner, graph_batch_sizes
@@ -51,7 +57,8 @@ class Engine:
         self.device = pick_device(config.device, tp.rank)  # rank r: cuda:r
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.num_threads = set_cpu_threads(tp.size) if self.device.type == "cpu" else 0
+        self.num_threads = (set_cpu_threads(tp.size) if self.device.type == "cpu"
+                            else set_host_threads())
         init_distributed(tp, self.device, config.dist_init)  # no group needed for one rank
         self.stream = create_stream(self.device)
         if self.device.type == "cuda":

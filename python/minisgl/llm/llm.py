@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -85,7 +86,8 @@ class LLM(Scheduler):
             self.run_forever()
         except RequestAllFinished:
             pass
-        self.cache_manager.check_integrity()  # idle: every page is free or cached
+        if os.environ.get("MINISGL_CHECK_INTEGRITY") == "1":  # a debug switch (the tests')
+            self.cache_manager.check_integrity()  # idle: every page is free or cached
         return [{"text": self.tokenizer.decode(s.output_ids), "token_ids": s.output_ids}
                 for s in self.status.values()]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from minisgl.core import Req
@@ -114,14 +115,17 @@ class CacheManager:
 def table_cells(spans: list[tuple[int, int, int]],
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The page-table cells covered by spans of (row, first column, length), as int64 row and
-    column tensors on the device. A few tensor ops, however many cells: a Python loop over
-    cells or spans would cost a few microseconds each, at every step."""
-    host = torch.tensor(spans, dtype=torch.int64).view(-1, 3)
-    rows, firsts, lengths = host.unbind(1)
-    total = sum(length for _, _, length in spans)
-    starts = torch.cumsum(lengths, 0) - lengths  # where each span begins in the output
-    cols = torch.arange(total) + (firsts - starts).repeat_interleave(lengths, output_size=total)
+    column tensors on the device. A few numpy operations, however many cells, and one copy.
+    Not torch's CPU operations: some of them (repeat_interleave) fan out to the intra-op thread
+    pool for any size, and on a server whose other processes keep the cores busy each such
+    call waits at a barrier for threads that are not running (chapter 21 measures it)."""
+    table = np.array(spans, dtype=np.int64).reshape(-1, 3)
+    rows, firsts, lengths = table[:, 0], table[:, 1], table[:, 2]
+    total = int(lengths.sum())
+    starts = np.cumsum(lengths) - lengths  # where each span begins in the output
     cells = torch.empty(2, total, dtype=torch.int64, pin_memory=pin_memory(device))
-    torch.stack([rows.repeat_interleave(lengths, output_size=total), cols], out=cells)
+    host = cells.numpy()
+    host[0] = np.repeat(rows, lengths)
+    host[1] = np.arange(total) + np.repeat(firsts - starts, lengths)
     cells = cells.to(device, non_blocking=True)
     return cells[0], cells[1]

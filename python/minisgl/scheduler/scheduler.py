@@ -29,6 +29,7 @@ from .config import SchedulerConfig
 from .decode import DecodeManager
 from .prefill import ChunkedReq, PrefillManager
 from .table import TableManager
+from .trace import StepTrace
 from .utils import PendingReq, SchedulerStats, TokenReply
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class Scheduler:
         self.aborted: dict[int, float] = {}  # uid -> when; stopped at its next token (ch. 14)
         self.stats = SchedulerStats()
         self.decode_turn = False  # the last batch was a prefill (see _schedule_next_batch)
+        self.trace = StepTrace.from_env()  # MINISGL_STEP_TRACE=file: per-step timings
 
     # -- the I/O a subclass provides: the offline LLM here, the server's process in chapter 14
     def receive_reqs(self, blocking: bool) -> list[PendingReq]:
@@ -141,9 +143,18 @@ class Scheduler:
         """One step: schedule and launch batch N+1, then process batch N's tokens while the
         device computes. Batch N+1 reads its input tokens from the token pool, where batch N
         wrote them on the device, so it never waits for the host."""
+        trace = self.trace
+        if trace is not None:
+            trace.begin()
         for req in self.receive_reqs(blocking=last_data is None and not self.runnable):
             self.add_req(req)
+        if trace is not None:
+            trace.mark()
         forward_input = self._schedule_next_batch()
+        if trace is not None:
+            trace.mark()
+            if forward_input is not None:
+                trace.launched(forward_input.batch)
         ongoing = None
         if forward_input is not None:
             with stream_context(self.engine.stream):
@@ -153,7 +164,15 @@ class Scheduler:
             # free list, which the next batch's preparation (on our stream) reads
             self._after_launch(forward_input.batch)
             ongoing = (forward_input, output)
+        if trace is not None:
+            trace.mark()
+            if last_data is not None:  # the wait, timed apart from handing out the tokens
+                last_data[1].copy_done.synchronize()
+            trace.mark()
         self._process_last_data(last_data)
+        if trace is not None:
+            trace.mark()
+            trace.end()
         return ongoing
 
     @torch.inference_mode()
@@ -171,6 +190,8 @@ class Scheduler:
     def shutdown(self) -> None:
         synchronize(self.device)  # nothing may still run when the engine lets go of its memory
         self.engine.shutdown()
+        if self.trace is not None:
+            self.trace.write()
 
     def _schedule_next_batch(self) -> ForwardInput | None:
         """Prefill first (new requests start early), else decode every running request. With

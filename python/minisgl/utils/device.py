@@ -82,6 +82,15 @@ def set_cpu_threads(tp_size: int = 1) -> int:
     return threads
 
 
+def set_host_threads() -> int:
+    """One torch thread beside a GPU, unless OMP_NUM_THREADS says otherwise. The host only keeps
+    the books of each step there; a pool of threads would make each parallel operation wait at
+    a barrier for cores that the server's other processes and its clients hold."""
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)
+    return torch.get_num_threads()
+
+
 def stream_context(stream: torch.cuda.Stream | NullStream) -> AbstractContextManager[object]:
     """`with stream_context(s):` makes s the current CUDA stream; does nothing on the CPU."""
     return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else nullcontext()

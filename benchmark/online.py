@@ -1,0 +1,357 @@
+"""Servers side by side under the same client (chapter 21): each engine's server is started once,
+then every load is run on each in turn, round after round, the order of the engines rotating
+each round so that drift hits them alike.
+
+    python benchmark/online.py --model /tmp/q06 --engine ours=python \\
+        --engine official=/tmp/official/python --rounds 3 --concurrency 1 16 64 256 \\
+        --rates 16 40 --out results/
+
+A load is either N requests in flight (a closed loop: a new request as soon as one ends) or a
+Poisson rate. Requests are chat completions of random text (`--input-len` tokens of random ids,
+decoded), streamed, `--output-len` tokens each with ignore_eos; every engine gets the same list
+in a round, and each round draws a new one (so no round finds the last one's prompts cached).
+Every server gets the same flags (`--server-args`). For each run the report keeps the client's
+metrics (bench_serving.py), the client's CPU seconds per second, and each server process's.
+
+`--profile N` then runs N in flight once more on each engine while py-spy samples every server
+process (native frames too) for `--profile-seconds`, and summarizes where each was busy.
+`--trace` starts the servers with MINISGL_STEP_TRACE (ours only: per-step timings of the
+scheduler loop) and summarizes each run's steps; leave it off for the timed sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import datetime
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serving as bench  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("receive", "prepare", "launch", "wait", "reply")  # a step's parts, as StepTrace's
+
+
+@dataclass
+class Engine:
+    """One server: its name, the folder its `minisgl` is imported from, its port."""
+
+    name: str
+    package: Path
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+    trace: Path | None = None
+    started_s: float = 0.0
+    cpu: dict[int, float] = field(default_factory=dict)
+
+    def pids(self) -> list[int]:
+        import psutil
+
+        assert self.proc is not None
+        root = psutil.Process(self.proc.pid)
+        return [root.pid] + [c.pid for c in root.children(recursive=True)]
+
+    def cpu_times(self) -> dict[int, float]:
+        import psutil
+
+        out = {}
+        for pid in self.pids():
+            try:
+                t = psutil.Process(pid).cpu_times()
+                out[pid] = t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+
+def gpu_pids() -> set[int]:
+    """Processes that hold GPU memory: the schedulers."""
+    if not shutil.which("nvidia-smi"):
+        return set()
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout
+    return {int(x) for x in out.split() if x.strip().isdigit()}
+
+
+def start(engine: Engine, model: str, server_args: list[str], out: Path, trace: bool) -> None:
+    env = dict(os.environ, PYTHONPATH=f"{engine.package}:{os.environ.get('PYTHONPATH', '')}",
+               PYTHONUNBUFFERED="1")
+    if trace:
+        engine.trace = out / f"trace-{engine.name}.jsonl"
+        env["MINISGL_STEP_TRACE"] = str(engine.trace)
+    engine.log = out / f"server-{engine.name}.log"
+    cmd = [sys.executable, "-m", "minisgl", "--model", model, "--port", str(engine.port),
+           *server_args]
+    t0 = time.perf_counter()
+    engine.proc = subprocess.Popen(cmd, env=env, stdout=engine.log.open("wb"),
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    target = bench.Target(port=engine.port, backend="chat", timeout=60)
+    while not (r := bench.one_request(target, "hi", 4)).ok:
+        if engine.proc.poll() is not None or time.perf_counter() - t0 > 900:
+            tail = engine.log.read_text(errors="replace")[-2000:]
+            raise SystemExit(f"server {engine.name} did not come up ({r.error}):\n{tail}")
+        time.sleep(1)
+    engine.started_s = time.perf_counter() - t0
+    print(f"server {engine.name} ready in {engine.started_s:.0f} s", flush=True)
+
+
+def stop(engine: Engine) -> int | None:
+    """SIGTERM to the server's process group; SIGKILL after 30 s. Its exit code (None: killed)."""
+    if engine.proc is None or engine.proc.poll() is not None:
+        return None if engine.proc is None else engine.proc.returncode
+    os.killpg(engine.proc.pid, signal.SIGTERM)
+    try:
+        return engine.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(engine.proc.pid, signal.SIGKILL)
+        engine.proc.wait()
+        print(f"server {engine.name}: killed after SIGTERM", flush=True)
+        return None
+
+
+def requests_for(load: tuple[str, float], args: argparse.Namespace, tokenizer: Any,
+                 seed: int) -> list[tuple[list[int] | str, int]]:
+    kind, value = load
+    n = (max(args.min_prompts, int(args.prompts_per_slot * value)) if kind == "concurrency"
+         else int(args.rate_seconds * value))
+    pairs = bench.workload(n, tuple(args.input_len), tuple(args.output_len), args.vocab, seed)
+    return [(tokenizer.decode(ids, skip_special_tokens=True), k) for ids, k in pairs]
+
+
+def measure(engine: Engine, load: tuple[str, float],
+            requests: list[tuple[list[int] | str, int]], seed: int) -> dict[str, Any]:
+    """One run of one load on one server: the client's row plus each server process's CPU."""
+    kind, value = load
+    target = bench.Target(port=engine.port, backend="chat", timeout=600)
+    rate, cap = (bench.INF, int(value)) if kind == "concurrency" else (value, 0)
+    before, t0 = engine.cpu_times(), time.perf_counter()
+    run = bench.run(target, requests, rate, cap, seed, progress=False)
+    after, wall = engine.cpu_times(), time.perf_counter() - t0
+    row = bench.summarize(rate, run.results, run.duration, run.client_cpu)
+    gpu = gpu_pids()
+    row["server_cpu"] = {("scheduler" if pid in gpu else "main" if pid == engine.pids()[0]
+                          else f"pid{pid}"): round((after[pid] - before.get(pid, 0.0)) / wall, 3)
+                         for pid in after}
+    row["window"] = [t0, t0 + wall]
+    return row
+
+
+async def _load_in_background(engine: Engine, requests: list[tuple[list[int] | str, int]],
+                              concurrency: int, seconds: float, out: Path) -> None:
+    target = bench.Target(port=engine.port, backend="chat", timeout=600)
+    task = asyncio.create_task(bench.run_async(target, requests, bench.INF, concurrency,
+                                               progress=False))
+    await asyncio.sleep(3)  # past the first wave's prefills
+    procs, gpu = [], gpu_pids()
+    for pid in engine.pids():
+        raw = out / f"pyspy-{engine.name}-{pid}.txt"
+        # native frames (which CUDA or torch call) only for the scheduler: py-spy must pause a
+        # process to read them, so that one runs a little slower while it is sampled
+        how = ["--native", "--rate", "100"] if pid in gpu else ["--nonblocking", "--rate", "200"]
+        procs.append((pid, raw, await asyncio.create_subprocess_exec(
+            "py-spy", "record", "--pid", str(pid), *how, "--duration", str(int(seconds)),
+            "--format", "raw", "--output", str(raw),
+            stdout=asyncio.subprocess.DEVNULL, stderr=(out / f"pyspy-{engine.name}-{pid}.log").open("wb"))))
+    for _, _, p in procs:
+        await p.wait()
+    task.cancel()  # the rest of the load is not needed: its clients leave, the server aborts
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    await asyncio.sleep(2)  # the aborts settle before the next engine's turn
+
+
+def summarize_pyspy(raw: Path, top: int = 14) -> dict[str, Any]:
+    """From py-spy's raw output (one `frame;frame;... count` line per stack): busy samples, the
+    frames where they were spent (self), and our package's lines that include the most."""
+    leaf: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    if not raw.exists():
+        return {"samples": 0}
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n, frames = int(count), stack.split(";")
+        total += n
+        leaf[frames[-1]] += n
+        for f in set(frames):
+            if "minisgl" in f:
+                inclusive[f] += n
+    return {"samples": total, "self": leaf.most_common(top),
+            "minisgl_inclusive": inclusive.most_common(top)}
+
+
+def summarize_trace(path: Path, windows: list[tuple[str, float, float]]) -> dict[str, Any]:
+    """Each run's steps from the scheduler's trace: how many of each phase, the median ms of
+    each part, and the share of the run's time the loop spent waiting for the GPU."""
+    if not path.exists():
+        return {}
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    out = {}
+    for label, a, b in windows:
+        steps = [r for r in rows if a <= r["t"] <= b]
+        if not steps:
+            continue
+        s: dict[str, Any] = {"steps": len(steps), "wall_s": b - a}
+        for phase in ("prefill", "decode"):
+            ph = [r for r in steps if r.get("phase") == phase]
+            s[phase] = {"count": len(ph), "size_p50": _med([r["size"] for r in ph]),
+                        **{p: _med([r[p] for r in ph]) for p in PARTS}}
+        # shares of the run's wall time: waiting for the GPU's tokens, and busy on the host
+        # (a receive can be an idle wait for requests, so it is not counted as busy)
+        s["wait_share"] = round(sum(r["wait"] for r in steps) / 1e3 / (b - a), 4)
+        s["host_share"] = round(sum(r[p] for r in steps for p in ("prepare", "launch", "reply"))
+                                / 1e3 / (b - a), 4)
+        out[label] = s
+    return out
+
+
+def _med(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def spread(xs: list[float]) -> str:
+    return (f"{statistics.median(xs):,.0f} ({min(xs):,.0f}–{max(xs):,.0f})" if len(xs) > 1
+            else f"{xs[0]:,.0f}")
+
+
+def report(rows: list[dict[str, Any]], engines: list[str], loads: list[str]) -> list[str]:
+    """Per load: each engine's median output tok/s (range over rounds), TTFT p50 and ITL p99
+    medians, and the ratio of each engine to the first, per round (median and range)."""
+    base = engines[0]
+    lines = [f"{'load':>10} {'engine':>10} {'out tok/s (range)':>26} {'TTFT p50':>9} "
+             f"{'ITL p99':>8} {'client':>6}  ratio to {base} per round"]
+    for load in loads:
+        for e in engines:
+            mine = [r for r in rows if r["load"] == load and r["engine"] == e]
+            if not mine:
+                continue
+            tok = [r["out_tok_s"] for r in mine]
+            ratios = []
+            for r in mine:
+                other = [b for b in rows if b["load"] == load and b["engine"] == base
+                         and b["round"] == r["round"]]
+                if other and e != base:
+                    ratios.append(r["out_tok_s"] / other[0]["out_tok_s"])
+            ratio = (f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
+                     if ratios else "")
+            lines.append(f"{load:>10} {e:>10} {spread(tok):>26} "
+                         f"{statistics.median(r['ttft_ms_p50'] for r in mine):>9.1f} "
+                         f"{statistics.median(r['itl_ms_p99'] for r in mine):>8.1f} "
+                         f"{max(r['client_cpu'] for r in mine):>6.2f}  {ratio}")
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--engine", action="append", required=True, metavar="NAME=PYTHON_DIR",
+                   help="a server to run: its name and the folder its minisgl is imported from; "
+                   "the first is the one the others are compared with")
+    p.add_argument("--server-args", default="--attn fi --num-pages 450000 --cuda-graph-max-bs 256 "
+                   "--max-running-requests 256 --max-prefill-length 8192 --page-size 1 "
+                   "--max-seq-len-override 4096", help="flags every server gets")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256])
+    p.add_argument("--rates", type=float, nargs="*", default=[16.0, 40.0])
+    p.add_argument("--prompts-per-slot", type=float, default=3.0,
+                   help="N in flight sends max(--min-prompts, this × N) requests")
+    p.add_argument("--min-prompts", type=int, default=4)
+    p.add_argument("--rate-seconds", type=float, default=12.0,
+                   help="a Poisson rate sends rate × this many requests")
+    p.add_argument("--input-len", type=int, nargs=2, default=[200, 1000])
+    p.add_argument("--output-len", type=int, nargs=2, default=[256, 256])
+    p.add_argument("--vocab", type=int, default=10000)
+    p.add_argument("--profile", type=int, default=0, help="N in flight under py-spy (0: none)")
+    p.add_argument("--profile-seconds", type=float, default=6.0)
+    p.add_argument("--trace", action="store_true", help="MINISGL_STEP_TRACE on (ours only)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--base-port", type=int, default=19190)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    engines = [Engine(name, Path(path).resolve(), a.base_port + i)
+               for i, (name, _, path) in enumerate(e.partition("=") for e in a.engine)]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    loads = ([("concurrency", float(c)) for c in a.concurrency]
+             + [("rate", r) for r in a.rates])
+    label = {ld: (f"c={int(ld[1])}" if ld[0] == "concurrency" else f"{ld[1]:g}/s")
+             for ld in loads}
+    rows: list[dict[str, Any]] = []
+    windows: dict[str, list[tuple[str, float, float]]] = {e.name: [] for e in engines}
+    try:
+        for e in engines:
+            start(e, a.model, a.server_args.split(), a.out, a.trace)
+        for rnd in range(a.rounds):
+            order = engines[rnd % len(engines):] + engines[: rnd % len(engines)]
+            for i, load in enumerate(loads):
+                seed = 1000 * rnd + i
+                requests = requests_for(load, a, tokenizer, seed)
+                for e in order:
+                    row = measure(e, load, requests, seed)
+                    row.update(engine=e.name, round=rnd, load=label[load])
+                    rows.append(row)
+                    windows[e.name].append((f"{label[load]} r{rnd}", *row.pop("window")))
+                    (a.out / "rows.json").write_text(json.dumps(rows, indent=1))  # so far
+                    print(f"round {rnd} {label[load]:>6} {e.name:>10}: {row['out_tok_s']:>9,.0f} "
+                          f"out tok/s, TTFT p50 {row['ttft_ms_p50']:.1f} ms, ITL p99 "
+                          f"{row['itl_ms_p99']:.1f} ms, failed {row['failed']}, client "
+                          f"{row['client_cpu']:.2f}, server {row['server_cpu']}", flush=True)
+        profiles = {}
+        if a.profile:
+            load = ("concurrency", float(a.profile))
+            requests = requests_for(load, a, tokenizer, 99) * 20  # more than the profile needs
+            for e in engines:
+                asyncio.run(_load_in_background(e, requests, a.profile, a.profile_seconds,
+                                                a.out))
+                gpu = gpu_pids()
+                profiles[e.name] = {("scheduler" if pid in gpu else str(pid)):
+                                    summarize_pyspy(a.out / f"pyspy-{e.name}-{pid}.txt")
+                                    for pid in e.pids()}
+    finally:
+        codes = {e.name: stop(e) for e in engines}
+    traces = {e.name: summarize_trace(e.trace, windows[e.name]) for e in engines if e.trace}
+    text = report(rows, [e.name for e in engines], [label[ld] for ld in loads])
+    print("\n".join(text))
+    for name, t in traces.items():
+        for run_label, s in t.items():
+            print(f"trace {name} {run_label}: {json.dumps(s)}")
+    for name, procs in profiles.items():
+        for proc, s in procs.items():
+            print(f"py-spy {name} {proc}: {s['samples']} busy samples")
+            for frame, n in s.get("self", [])[:10]:
+                print(f"    {n:>6}  {frame[:150]}")
+            for frame, n in s.get("minisgl_inclusive", [])[:8]:
+                print(f"    incl {n:>6}  {frame[:150]}")
+    result = {"bench": "online", "date": datetime.date.today().isoformat(),
+              "machine": bench.machine(), "command": " ".join(sys.argv),
+              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+              "engines": {e.name: {"package": str(e.package), "started_s": e.started_s,
+                                   "exit_code": codes[e.name]} for e in engines},
+              "rows": rows, "traces": traces, "profiles": profiles, "table": text}
+    (a.out / "online.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""The Scheduler: admits requests, builds batches, runs them, hands out tokens (chapter 7;
+admission in 8, prefix caching in 9, chunked prefill in 10, the overlap loop in 11, aborts in
+14)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import NamedTuple, NoReturn
+
+import torch
+from transformers import AutoTokenizer
+
+from minisgl.core import Batch, Req
+from minisgl.engine import BatchSamplingArgs, Engine, ForwardOutput
+from minisgl.utils.device import (
+    create_event,
+    create_stream,
+    pin_memory,
+    set_current_stream,
+    stream_context,
+    synchronize,
+)
+
+from .cache import CacheManager, table_cells
+from .config import SchedulerConfig
+from .decode import DecodeManager
+from .prefill import ChunkedReq, PrefillManager
+from .table import TableManager
+from .utils import PendingReq, SchedulerStats, TokenReply
+
+logger = logging.getLogger(__name__)
+ABORT_MARK_TTL_S = 60.0  # an abort mark nothing claims is dropped after this (chapter 14)
+Indices2D = tuple[torch.Tensor, torch.Tensor]  # (rows, columns) of the page table / token pool
+
+
+class ForwardInput(NamedTuple):
+    """A prepared batch. Kept until its results are processed: its index tensors were made on
+    the scheduler's stream and are read on the engine's, so their memory must not be reused
+    before the batch is done."""
+
+    batch: Batch
+    sample_args: BatchSamplingArgs
+    load_indices: Indices2D  # where its input tokens are: (row, position) per token
+    write_indices: Indices2D  # where its sampled tokens go: (row, device_len) per request
+
+
+ForwardData = tuple[ForwardInput, ForwardOutput]
+
+
+class Scheduler:
+    decode_between_chunks = False  # the server turns it on (chapter 15)
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.engine = Engine(config)
+        self.device = self.engine.device
+        # the most prompt + output tokens a request may have: the engine's limit, and what an
+        # empty KV pool can promise once a page of rounding is counted (chapter 8)
+        self.max_seq_len = min(self.engine.max_seq_len,
+                               self.engine.num_pages * config.page_size - config.page_size + 1)
+        # the scheduler works on its own stream, so preparing batch N+1 overlaps batch N
+        self.stream = create_stream(self.device)
+        set_current_stream(self.stream)
+        self.table_manager = TableManager(config.max_running_req, self.engine.page_table)
+        self.cache_manager = CacheManager(self.engine.num_pages, config.page_size,
+                                          self.engine.page_table, config.cache_type)
+        self.decode_manager = DecodeManager(config.page_size)
+        self.prefill_manager = PrefillManager(self.cache_manager, self.table_manager,
+                                              self.decode_manager)
+        self.token_pool = self.table_manager.token_pool
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.overlap = os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0") != "1"
+        self.finished_reqs: set[Req] = set()  # finished while the next batch was in flight
+        self.aborted: dict[int, float] = {}  # uid -> when; stopped at its next token (ch. 14)
+        self.stats = SchedulerStats()
+        self.decode_turn = False  # the last batch was a prefill (see _schedule_next_batch)
+
+    # -- the I/O a subclass provides: the offline LLM here, the server's process in chapter 14
+    def receive_reqs(self, blocking: bool) -> list[PendingReq]:
+        raise NotImplementedError
+
+    def send_result(self, replies: list[TokenReply]) -> None:
+        raise NotImplementedError
+
+    def add_req(self, req: PendingReq) -> None:
+        """Queue a request; its max_tokens is clipped to the room left in max_seq_len."""
+        room = self.max_seq_len - req.input_len
+        if room <= 0:
+            raise ValueError(f"request {req.uid}: {req.input_len} prompt tokens leave no room for "
+                             f"output within max_seq_len {self.max_seq_len}")
+        if req.sampling_params.max_tokens > room:
+            logger.info("request %d: max_tokens %d clipped to %d", req.uid,
+                        req.sampling_params.max_tokens, room)
+            req.sampling_params = dataclasses.replace(req.sampling_params, max_tokens=room)
+        self.prefill_manager.add_one_req(req)
+
+    def abort_req(self, uid: int) -> None:
+        """Stop a request wherever it is. Waiting: it leaves the queue at once, with the row
+        and pages of any prompt chunks already computed. Finished in the batch just processed:
+        nothing to do. Otherwise it is marked. A running request's next token finishes it on
+        the usual path, once the batch in flight no longer needs its row and pages; a request
+        not here yet (its abort overtook it) is answered when it comes. A mark nothing claims
+        within ABORT_MARK_TTL_S (its request had finished earlier) is dropped."""
+        for i, pending in enumerate(self.prefill_manager.pending):
+            if pending.uid == uid:
+                del self.prefill_manager.pending[i]
+                if pending.chunked_req is not None:
+                    self._release(pending.chunked_req)
+                self.send_result([TokenReply(uid, -1, True, "abort")])
+                return
+        now = time.monotonic()
+        self.aborted = {u: t for u, t in self.aborted.items() if now - t < ABORT_MARK_TTL_S}
+        if not any(r.uid == uid for r in self.finished_reqs):
+            self.aborted[uid] = now
+
+    def _release(self, req: Req) -> None:
+        """A finished request gives back its table row; its K/V go to the prefix cache."""
+        self.decode_manager.remove_req(req)
+        self.table_manager.free(req.table_idx)
+        self.cache_manager.cache_req(req, finished=True)
+
+    @property
+    def runnable(self) -> bool:
+        return self.prefill_manager.runnable or self.decode_manager.runnable
+
+    def normal_loop(self) -> None:
+        """One step: schedule a batch, run it, wait for its tokens, hand them out."""
+        for req in self.receive_reqs(blocking=not self.runnable):
+            self.add_req(req)
+        forward_input = self._schedule_next_batch()
+        if forward_input is not None:
+            output = self._forward(forward_input)
+            self._after_launch(forward_input.batch)
+            self._process_last_data((forward_input, output))
+
+    def overlap_loop(self, last_data: ForwardData | None) -> ForwardData | None:
+        """One step: schedule and launch batch N+1, then process batch N's tokens while the
+        device computes. Batch N+1 reads its input tokens from the token pool, where batch N
+        wrote them on the device, so it never waits for the host."""
+        for req in self.receive_reqs(blocking=last_data is None and not self.runnable):
+            self.add_req(req)
+        forward_input = self._schedule_next_batch()
+        ongoing = None
+        if forward_input is not None:
+            with stream_context(self.engine.stream):
+                self.engine.stream.wait_stream(self.stream)  # the batch's inputs are ready
+                output = self._forward(forward_input)
+            # back on our stream: the bookkeeping after launch edits page-table rows and the
+            # free list, which the next batch's preparation (on our stream) reads
+            self._after_launch(forward_input.batch)
+            ongoing = (forward_input, output)
+        self._process_last_data(last_data)
+        return ongoing
+
+    @torch.inference_mode()
+    def run_forever(self) -> NoReturn:
+        """Loop until receive_reqs raises (the offline LLM does so once all are done)."""
+        if not self.overlap:
+            with stream_context(self.engine.stream):
+                self.engine.stream.wait_stream(self.stream)
+                while True:
+                    self.normal_loop()
+        data = None
+        while True:
+            data = self.overlap_loop(data)
+
+    def shutdown(self) -> None:
+        synchronize(self.device)  # nothing may still run when the engine lets go of its memory
+        self.engine.shutdown()
+
+    def _schedule_next_batch(self) -> ForwardInput | None:
+        """Prefill first (new requests start early), else decode every running request. With
+        `decode_between_chunks` (the server's), while a prompt is prefilled in chunks the
+        running requests get every other step: a long prompt slows their streams instead of
+        stopping them (chapter 15)."""
+        batch = None
+        if self.decode_between_chunks and self.decode_turn and self.prefill_manager.chunking:
+            batch = self.decode_manager.schedule_next_batch()
+        if batch is None and self.prefill_manager.runnable:
+            # A prefill may reuse the table row of a request that finished while the batch now
+            # in flight still writes its last token there: let our stream's copies into that
+            # row wait for it (a device-side wait; the host goes on).
+            self.stream.wait_stream(self.engine.stream)
+            batch = self.prefill_manager.schedule_next_batch(self.config.max_extend_tokens)
+        batch = batch or self.decode_manager.schedule_next_batch()
+        self.decode_turn = batch is not None and batch.is_prefill
+        return None if batch is None else self._prepare_batch(batch)
+
+    def _prepare_batch(self, batch: Batch) -> ForwardInput:
+        logger.debug("%-7s %s", batch.phase,
+                     " ".join(f"{r.uid}+{r.extend_len}" for r in batch.reqs))
+        self.engine.graph_runner.pad(batch)  # dummies up to a captured size (chapter 18)
+        self.cache_manager.allocate_paged(batch.reqs)
+        pin = pin_memory(self.device)
+        load = table_cells([(r.table_idx, r.cached_len, r.extend_len) for r in batch.padded_reqs],
+                           self.device)  # the page-table cells of this batch's positions
+        batch.positions = load[1].to(torch.int32)
+        batch.out_loc = self.engine.page_table[load]
+        # each sampled token goes to its request's next position; one that can never be read
+        # (no decode follows: a prompt chunk, chapter 10) goes to a scratch column, the last
+        write = ([r.table_idx for r in batch.reqs],
+                 [r.device_len if r.can_decode else -1 for r in batch.reqs])
+        write_indices = (_to_device(write[0], pin, self.device),
+                         _to_device(write[1], pin, self.device))
+        self.engine.attn_backend.prepare_metadata(batch)
+        return ForwardInput(batch, self.engine.sampler.prepare(batch), load, write_indices)
+
+    def _forward(self, forward_input: ForwardInput) -> ForwardOutput:
+        batch = forward_input.batch
+        batch.input_ids = self.token_pool[forward_input.load_indices]
+        if batch.is_prefill:
+            self.stats.prefill_batches += 1
+            self.stats.prefill_tokens += sum(r.extend_len for r in batch.reqs)
+            # a prompt's first part starts right after its cached prefix; the later parts of a
+            # chunked prompt start further on and found nothing new in the cache
+            self.stats.cached_tokens += sum(r.cached_len for r in batch.reqs
+                                            if r.cached_len == r.cache_handle.cached_len)
+        else:
+            self.stats.decode_batches += 1
+        output = self.engine.forward_batch(batch, forward_input.sample_args)
+        self.token_pool[forward_input.write_indices] = output.next_tokens_device
+        # "done" must also cover the scatter just issued, not only the copy to the host
+        done = create_event(self.device)
+        done.record(self.engine.stream)
+        return output._replace(copy_done=done)
+
+    def _after_launch(self, batch: Batch) -> None:
+        self.decode_manager.filter_reqs(batch.reqs)
+        if batch.is_prefill:  # the prompts' K/V go into the prefix cache at once, so the next
+            for req in batch.reqs:  # batch's requests can match them
+                if not isinstance(req, ChunkedReq):
+                    self.cache_manager.cache_req(req, finished=False)
+
+    def _process_last_data(self, data: ForwardData | None) -> None:
+        if data is None:
+            return
+        forward_input, output = data
+        output.copy_done.synchronize()
+        replies: list[TokenReply] = []
+        newly_finished: set[Req] = set()
+        for i, req in enumerate(forward_input.batch.reqs):
+            # a chunk's token means nothing; a request that finished in the previous step was
+            # already in this batch (it was scheduled before we knew) and is not reported twice
+            if isinstance(req, ChunkedReq) or req in self.finished_reqs:
+                continue
+            token = output.next_tokens_cpu[i]
+            req.append_host(token)
+            # counted on the host: with overlap, device_len already includes the batch in flight
+            value = int(token)
+            reason = _finish_reason(req, value, self.eos_token_id)
+            if self.aborted.pop(req.uid, None) is not None:  # its token is dropped, and
+                reason, value = "abort", -1  # its row and pages come back
+            replies.append(TokenReply(req.uid, value, reason is not None, reason))
+            if reason is not None:
+                newly_finished.add(req)
+                self._release(req)
+        self.finished_reqs = newly_finished
+        self.send_result(replies)
+
+
+def _finish_reason(req: Req, token: int, eos_token_id: int) -> str | None:
+    """"stop" at the EOS (unless ignored), "length" at max_tokens or the context's end."""
+    if not req.sampling_params.ignore_eos and token == eos_token_id:
+        return "stop"
+    return "length" if len(req.input_ids) >= req.max_device_len else None
+
+
+def _to_device(values: list[int], pin: bool, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=pin)
+    return host.to(device, non_blocking=True)

@@ -1,0 +1,156 @@
+"""Chapter 21: what the online comparison stands on. The scheduler's step trace, one torch thread
+beside a GPU, the integrity walk as a switch, and benchmark/online.py (its summaries on known
+input, then a real run against our server on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from benchmarks import FOLDER, load
+
+from minisgl.core import SamplingParams
+from minisgl.utils import device as device_utils
+
+online = load("online")
+
+
+def test_the_step_trace_accounts_for_every_token(make_llm: Callable, model_dir: Callable,
+                                                  tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With MINISGL_STEP_TRACE set, one row per loop step: the prefill rows carry every prompt
+    token once, the decode rows every output token after the first, and each part's time."""
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("MINISGL_STEP_TRACE", str(trace))
+    llm = make_llm(model_dir("tiny-qwen3"), overlap=True)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 17, 30)]
+    outs = [4, 7, 5]
+    llm.generate(prompts, [SamplingParams(max_tokens=k, ignore_eos=True) for k in outs])
+    llm.trace.write()
+    rows = [json.loads(x) for x in trace.read_text().splitlines()]
+    prefill = [r for r in rows if r.get("phase") == "prefill"]
+    decode = [r for r in rows if r.get("phase") == "decode"]
+    assert sum(r["tokens"] for r in prefill) == sum(map(len, prompts))  # distinct: no cache hits
+    assert sum(r["size"] for r in decode) == sum(k - 1 for k in outs)
+    assert all(r["tokens"] == r["size"] for r in decode)
+    for r in rows:
+        assert all(r[p] >= 0 for p in online.PARTS)
+    times = [r["t"] for r in rows]
+    assert times == sorted(times)
+    assert len(rows) == len(prefill) + len(decode) + 1  # the last step only finishes the last
+
+
+def test_no_trace_without_the_variable(make_llm: Callable, model_dir: Callable,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MINISGL_STEP_TRACE", raising=False)
+    assert make_llm(model_dir("tiny-qwen3")).trace is None
+
+
+def test_one_torch_thread_beside_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        assert device_utils.set_host_threads() == 1 and torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        assert device_utils.set_host_threads() == 2  # the user's choice stands
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_integrity_walk_is_a_switch(make_llm: Callable, model_dir: Callable,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off, generate never walks the pages (it is not a cost of every call); on, it does."""
+    llm = make_llm(model_dir("tiny-qwen3"))
+    walks: list[int] = []
+    monkeypatch.setattr(llm.cache_manager, "check_integrity", lambda: walks.append(1))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    monkeypatch.delenv("MINISGL_CHECK_INTEGRITY")
+    llm.generate([[5, 6, 7]], params)
+    assert walks == []
+    monkeypatch.setenv("MINISGL_CHECK_INTEGRITY", "1")
+    llm.generate([[5, 6, 7]], params)
+    assert walks == [1]
+
+
+def test_the_trace_summary_splits_runs_and_phases(tmp_path: Path) -> None:
+    rows = [{"t": 1.0, "receive": 0.1, "prepare": 2.0, "launch": 20.0, "wait": 0.0,
+             "reply": 0.5, "phase": "prefill", "size": 4, "tokens": 4000},
+            {"t": 1.1, "receive": 0.0, "prepare": 1.0, "launch": 0.5, "wait": 3.0,
+             "reply": 1.0, "phase": "decode", "size": 8, "tokens": 8},
+            {"t": 1.2, "receive": 0.0, "prepare": 3.0, "launch": 0.5, "wait": 1.0,
+             "reply": 1.0, "phase": "decode", "size": 8, "tokens": 8},
+            {"t": 5.0, "receive": 0.0, "prepare": 9.0, "launch": 9.0, "wait": 9.0,
+             "reply": 9.0, "phase": "decode", "size": 2, "tokens": 2}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = online.summarize_trace(path, [("a", 0.5, 1.5), ("b", 4.0, 6.0), ("none", 7.0, 8.0)])
+    assert set(s) == {"a", "b"}
+    a = s["a"]
+    assert a["steps"] == 3 and a["prefill"]["count"] == 1 and a["decode"]["count"] == 2
+    assert a["decode"]["prepare"] == 2.0 and a["decode"]["wait"] == 2.0
+    assert a["decode"]["size_p50"] == 8
+    assert a["wait_share"] == pytest.approx(4.0 / 1e3 / 1.0)
+    assert a["host_share"] == pytest.approx((2 + 20 + 0.5 + 1 + 0.5 + 1 + 3 + 0.5 + 1) / 1e3)
+    assert s["b"]["steps"] == 1 and s["b"]["prefill"]["count"] == 0
+
+
+def test_the_report_gives_ratios_per_round() -> None:
+    def row(engine: str, rnd: int, tok: float) -> dict:
+        return {"engine": engine, "round": rnd, "load": "c=4", "out_tok_s": tok,
+                "ttft_ms_p50": 10.0, "itl_ms_p99": 5.0, "client_cpu": 0.1}
+
+    rows = [row("ours", 0, 100), row("other", 0, 50), row("ours", 1, 120), row("other", 1, 90)]
+    text = online.report(rows, ["ours", "other"], ["c=4"])
+    assert "110 (100–120)" in text[1]
+    assert text[2].endswith("0.62 (0.50–0.75)")  # 50/100 and 90/120, median of the two
+
+
+def test_pyspy_summary(tmp_path: Path) -> None:
+    raw = tmp_path / "p.txt"
+    raw.write_text("main (m.py:1);f (minisgl/a.py:3);cudaSync (libcuda.so) 7\n"
+                   "main (m.py:1);g (minisgl/b.py:9) 3\n")
+    s = online.summarize_pyspy(raw)
+    assert s["samples"] == 10
+    assert s["self"] == [("cudaSync (libcuda.so)", 7), ("g (minisgl/b.py:9)", 3)]
+    assert dict(s["minisgl_inclusive"]) == {"f (minisgl/a.py:3)": 7, "g (minisgl/b.py:9)": 3}
+
+
+def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
+                                             tmp_path: Path) -> None:
+    """Two servers of our package, one round each of one load in flight and one rate, with the
+    step trace: every request completes, every number the report needs is there."""
+    out = tmp_path / "online"
+    python = str(FOLDER.parent / "python")
+    done = subprocess.run(
+        [sys.executable, str(FOLDER / "online.py"), "--model", str(model_dir("tiny-qwen3")),
+         "--engine", f"a={python}", "--engine", f"b={python}", "--server-args", "",
+         "--rounds", "2", "--concurrency", "2", "--rates", "8", "--rate-seconds", "0.5",
+         "--min-prompts", "3", "--input-len", "8", "24", "--output-len", "4", "6", "--vocab",
+         "500", "--trace", "--out", str(out), "--base-port", str(20000 + os.getpid() % 20000)],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((out / "online.json").read_text())
+    assert [(r["round"], r["load"]) for r in result["rows"]] == [
+        (0, "c=2"), (0, "c=2"), (0, "8/s"), (0, "8/s"),
+        (1, "c=2"), (1, "c=2"), (1, "8/s"), (1, "8/s")]
+    assert [r["engine"] for r in result["rows"]][:2] == ["a", "b"]  # turns rotate per round
+    assert [r["engine"] for r in result["rows"]][4:6] == ["b", "a"]
+    for r in result["rows"]:
+        asked = 6 if r["load"] == "c=2" else 4  # 3 per slot in flight; 8/s for 0.5 s
+        assert r["failed"] == 0 and r["completed"] == asked and r["out_tok_s"] > 0
+        assert r["client_cpu"] > 0 and r["server_cpu"]["main"] >= 0
+    assert {e["exit_code"] for e in result["engines"].values()} == {0}
+    for name in ("a", "b"):
+        runs = result["traces"][name]
+        assert set(runs) == {"c=2 r0", "8/s r0", "c=2 r1", "8/s r1"}
+        assert all(s["decode"]["count"] > 0 for s in runs.values())
