@@ -164,7 +164,7 @@ async def _load_in_background(engine: Engine, requests: list[tuple[list[int] | s
         procs.append((pid, raw, await asyncio.create_subprocess_exec(
             "py-spy", "record", "--pid", str(pid), *how, "--duration", str(int(seconds)),
             "--format", "raw", "--output", str(raw),
-            stdout=asyncio.subprocess.DEVNULL, stderr=(out / f"pyspy-{engine.name}-{pid}.log").open("wb"))))
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)))
     for _, _, p in procs:
         await p.wait()
     task.cancel()  # the rest of the load is not needed: its clients leave, the server aborts
