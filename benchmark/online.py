@@ -15,6 +15,7 @@ metrics (bench_serving.py), the client's CPU seconds per second, and each server
 
 `--profile N` then runs N in flight once more on each engine while py-spy samples every server
 process (native frames too) for `--profile-seconds`, and summarizes where each was busy.
+`online.py --print RUN.json` prints a saved run's report again.
 `--trace` starts the servers with MINISGL_STEP_TRACE (ours only: per-step timings of the
 scheduler loop) and summarizes each run's steps; leave it off for the timed sweep.
 """
@@ -258,6 +259,25 @@ def report(rows: list[dict[str, Any]], engines: list[str], loads: list[str]) -> 
     return lines
 
 
+def print_report(result: dict[str, Any]) -> None:
+    """The table, then each run's step summary and each process's profile, as JSON keeps them."""
+    print("\n".join(result["table"]))
+    for name, t in result["traces"].items():
+        for run_label, s in t.items():
+            print(f"trace {name} {run_label}: {json.dumps(s)}")
+    for name, procs in result["profiles"].items():
+        for proc, s in procs.items():
+            print(f"py-spy {name} {proc}: {s['samples']} busy samples")
+            for frame, n in s.get("self", [])[:10]:
+                print(f"    {n:>6}  {frame[:150]}")
+            for frame, n in s.get("minisgl_inclusive", [])[:8]:
+                print(f"    incl {n:>6}  {frame[:150]}")
+
+
+def relative(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -287,6 +307,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--print":
+        return print_report(json.loads(Path(sys.argv[2]).read_text()))  # a saved run's report
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     engines = [Engine(name, Path(path).resolve(), a.base_port + i)
@@ -300,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
              for ld in loads}
     rows: list[dict[str, Any]] = []
     windows: dict[str, list[tuple[str, float, float]]] = {e.name: [] for e in engines}
+    profiles: dict[str, Any] = {}
     try:
         for e in engines:
             start(e, a.model, a.server_args.split(), a.out, a.trace)
@@ -318,7 +341,6 @@ def main(argv: list[str] | None = None) -> None:
                           f"out tok/s, TTFT p50 {row['ttft_ms_p50']:.1f} ms, ITL p99 "
                           f"{row['itl_ms_p99']:.1f} ms, failed {row['failed']}, client "
                           f"{row['client_cpu']:.2f}, server {row['server_cpu']}", flush=True)
-        profiles = {}
         if a.profile:
             load = ("concurrency", float(a.profile))
             requests = requests_for(load, a, tokenizer, 99) * 20  # more than the profile needs
@@ -333,23 +355,14 @@ def main(argv: list[str] | None = None) -> None:
         codes = {e.name: stop(e) for e in engines}
     traces = {e.name: summarize_trace(e.trace, windows[e.name]) for e in engines if e.trace}
     text = report(rows, [e.name for e in engines], [label[ld] for ld in loads])
-    print("\n".join(text))
-    for name, t in traces.items():
-        for run_label, s in t.items():
-            print(f"trace {name} {run_label}: {json.dumps(s)}")
-    for name, procs in profiles.items():
-        for proc, s in procs.items():
-            print(f"py-spy {name} {proc}: {s['samples']} busy samples")
-            for frame, n in s.get("self", [])[:10]:
-                print(f"    {n:>6}  {frame[:150]}")
-            for frame, n in s.get("minisgl_inclusive", [])[:8]:
-                print(f"    incl {n:>6}  {frame[:150]}")
     result = {"bench": "online", "date": datetime.date.today().isoformat(),
-              "machine": bench.machine(), "command": " ".join(sys.argv),
-              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-              "engines": {e.name: {"package": str(e.package), "started_s": e.started_s,
+              "machine": bench.machine(),
+              "command": " ".join(["benchmark/online.py",
+                                   *(sys.argv[1:] if argv is None else argv)]),
+              "engines": {e.name: {"package": relative(e.package), "started_s": e.started_s,
                                    "exit_code": codes[e.name]} for e in engines},
               "rows": rows, "traces": traces, "profiles": profiles, "table": text}
+    print_report(result)
     (a.out / "online.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
