@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     deadline = time.perf_counter() + a.ready_timeout
     while not (warm := one_request(target, requests[0][0][:8], 4)).ok:
         # a server starting up refuses connections, then answers 503 until its engine is ready
-        starting = "HTTP 503" in warm.error or "Connection refused" in warm.error
+        starting = "HTTP 503" in warm.error or "ConnectionRefusedError" in warm.error
         if not starting or time.perf_counter() > deadline:
             raise SystemExit(f"the warm-up request failed: {warm.error}")
         time.sleep(1)

@@ -301,6 +301,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, help="N in flight under py-spy (0: none)")
     p.add_argument("--profile-seconds", type=float, default=6.0)
     p.add_argument("--trace", action="store_true", help="MINISGL_STEP_TRACE on (ours only)")
+    p.add_argument("--deadline", type=float, default=0,
+                   help="seconds after which no new round starts (0: none); the rounds done "
+                   "are reported as usual")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--base-port", type=int, default=19190)
     return p.parse_args(argv)
@@ -310,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--print":
         return print_report(json.loads(Path(sys.argv[2]).read_text()))  # a saved run's report
     a = parse_args(argv)
+    began = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
     engines = [Engine(name, Path(path).resolve(), a.base_port + i)
                for i, (name, _, path) in enumerate(e.partition("=") for e in a.engine)]
@@ -328,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
             start(e, a.model, a.server_args.split(), a.out, a.trace)
         for rnd in range(a.rounds):
             order = engines[rnd % len(engines):] + engines[: rnd % len(engines)]
+            if a.deadline and time.perf_counter() - began > a.deadline:
+                print(f"deadline: stopped before round {rnd}", flush=True)
+                break
             for i, load in enumerate(loads):
                 seed = 1000 * rnd + i
                 requests = requests_for(load, a, tokenizer, seed)
