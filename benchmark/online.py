@@ -124,10 +124,12 @@ def stop(engine: Engine) -> int | None:
 
 
 def requests_for(load: tuple[str, float], args: argparse.Namespace, tokenizer: Any,
-                 seed: int) -> list[tuple[list[int] | str, int]]:
+                 seed: int, scale: int = 1) -> list[tuple[list[int] | str, int]]:
+    """The load's requests, all distinct (a repeated prompt would be answered by the prefix
+    cache, and no prefill would be measured)."""
     kind, value = load
-    n = (max(args.min_prompts, int(args.prompts_per_slot * value)) if kind == "concurrency"
-         else int(args.rate_seconds * value))
+    n = scale * (max(args.min_prompts, int(args.prompts_per_slot * value))
+                 if kind == "concurrency" else int(args.rate_seconds * value))
     pairs = bench.workload(n, tuple(args.input_len), tuple(args.output_len), args.vocab, seed)
     return [(tokenizer.decode(ids, skip_special_tokens=True), k) for ids, k in pairs]
 
@@ -350,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
                           f"{row['client_cpu']:.2f}, server {row['server_cpu']}", flush=True)
         if a.profile:
             load = ("concurrency", float(a.profile))
-            requests = requests_for(load, a, tokenizer, 99) * 20  # more than the profile needs
+            requests = requests_for(load, a, tokenizer, 99, scale=20)  # more than needed
             for e in engines:
                 asyncio.run(_load_in_background(e, requests, a.profile, a.profile_seconds,
                                                 a.out))

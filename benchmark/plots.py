@@ -4,10 +4,11 @@
     python benchmark/plots.py --check    # redraws into a temporary folder; exit 1 if any differs
 
 throughput.svg: offline output tok/s per configuration on the H200 (bench_offline.py).
-latency.svg and latency-h200.svg: TTFT, ITL and E2E p50/p99 per arrival rate
-(bench_serving.py), on the CPU and on the H200 (ours and the official); one colour per results
-file. step.svg: where a decode step's GPU time goes, ours (before and after the sampler fix)
-against the official, from the kernel profiles of bench_offline.py --profile.
+latency.svg: TTFT, ITL and E2E p50/p99 per arrival rate (bench_serving.py) on the CPU.
+online.svg: the H200 sweep of online.py, ours and the official side by side, rounds in turns:
+output tok/s, TTFT p50 and the inter-token gap p99 per load.
+step.svg: where a decode step's GPU time goes, ours (before and after the sampler fix) against
+the official, from the kernel profiles of bench_offline.py --profile.
 
 The SVGs keep matplotlib's path glyphs (svg.fonttype "path"), so their Chinese renders on any
 machine without the font; a fixed hash salt and no date make a rerun byte-identical with the
@@ -56,8 +57,6 @@ class Serving:
 
 
 SERVING = [Serving("2026-12-02-cpu-ch21_serving.json", "SmolLM2-135M-Instruct", "CPU")]
-SERVING_H200 = [Serving(f"2026-12-02-h200-ch21_serving-{who}.json", "Qwen3-0.6B 形状", "H200")
-                for who in ("ours", "official")]
 
 # (label, source file, configuration): the bars of throughput.svg, top to bottom
 BARS = [
@@ -256,6 +255,54 @@ def workload_note(report: dict[str, Any]) -> str:
             f"失败 {failed} 个{counted}")
 
 
+# --- online.svg -----------------------------------------------------------------------------
+
+ONLINE = "2026-12-03-h200-ch21_online.json"
+ONLINE_PANELS = [("输出 tok/s", "out_tok_s"), ("TTFT p50（毫秒）", "ttft_ms_p50"),
+                 ("token 间隔 p99（毫秒）", "itl_ms_p99")]
+
+
+def online(path: Path) -> None:
+    """benchmark/online.py's sweep: each metric per load, one line per engine at the median of
+    the rounds, a bar from the smallest to the largest round."""
+    result = json.loads((RESULTS / ONLINE).read_text())
+    rows = result["rows"]
+    loads = list(dict.fromkeys(r["load"] for r in rows))
+    engines = list(result["engines"])
+    closed = [i for i, ld in enumerate(loads) if ld.startswith("c=")]
+    poisson = [i for i, ld in enumerate(loads) if not ld.startswith("c=")]
+    height = 4.0
+    fig, axes = plt.subplots(1, len(ONLINE_PANELS), figsize=(WIDTH, height))
+    for ax, (title, key) in zip(axes, ONLINE_PANELS):
+        for k, engine in enumerate(engines):
+            colour = SERIES[k % len(SERIES)]
+            per = [[r[key] for r in rows if r["engine"] == engine and r["load"] == ld]
+                   for ld in loads]
+            mid = [sorted(v)[len(v) // 2] for v in per]
+            for group in (closed, poisson):  # no line from the last N in flight to a rate
+                ax.errorbar(group, [mid[i] for i in group],
+                            yerr=[[mid[i] - min(per[i]) for i in group],
+                                  [max(per[i]) - mid[i] for i in group]],
+                            color=colour, marker="o", ms=4, lw=1.6, capsize=3)
+        ax.set_title(title)
+        ax.set_xticks(range(len(loads)), [ld.replace("c=", "") for ld in loads])
+        ax.set_ylim(bottom=0)
+        ax.grid(axis="y", color="#dddddd", lw=0.8)
+        ax.set_axisbelow(True)
+    fig.legend(handles=[Line2D([], [], color=SERIES[k % len(SERIES)], lw=3,
+                               label={"ours": "ours", "official": "官方"}.get(e, e))
+                        for k, e in enumerate(engines)],
+               loc="upper right", ncol=len(engines), frameon=False,
+               bbox_to_anchor=(1, 1 - 0.4 / height))
+    rounds = 1 + max(r["round"] for r in rows)
+    fig.suptitle(f"在线服务：并排、轮流 {rounds} 轮 · {result['date']}", x=0.01, ha="left")
+    caption(fig, f"{result['machine']}；横轴：同时在途的请求数，或泊松到达率（/s）；"
+                 "点是各轮的中位数，竖线是最小到最大")
+    fig.subplots_adjust(left=0.8 / WIDTH, right=1 - 0.2 / WIDTH, top=1 - 1.0 / height,
+                        bottom=0.75 / height, wspace=0.35)
+    save(fig, path)
+
+
 # --- step.svg -------------------------------------------------------------------------------
 
 def category(kernel: str) -> str:
@@ -321,7 +368,7 @@ def draw(out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     figures: list[tuple[str, Callable[[Path], None]]] = [
         ("throughput.svg", throughput), ("latency.svg", lambda p: latency(p, SERVING)),
-        ("latency-h200.svg", lambda p: latency(p, SERVING_H200)), ("step.svg", step)]
+        ("online.svg", online), ("step.svg", step)]
     for name, fn in figures:
         fn(out / name)
     return [out / name for name, _ in figures]
