@@ -118,7 +118,7 @@ def table_cells(spans: list[tuple[int, int, int]],
     column tensors on the device. A few numpy operations, however many cells, and one copy.
     Not torch's CPU operations: some of them (repeat_interleave) fan out to the intra-op thread
     pool for any size, and on a server whose other processes keep the cores busy each such
-    call waits at a barrier for threads that are not running (chapter 21 measures it)."""
+    call waits at a barrier for threads that are not running."""
     table = np.array(spans, dtype=np.int64).reshape(-1, 3)
     rows, firsts, lengths = table[:, 0], table[:, 1], table[:, 2]
     total = int(lengths.sum())
