@@ -50,8 +50,73 @@ def workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int],
     return prompts, [random.randint(*output_len) for _ in range(n)]
 
 
-def the_workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
-    return workload(args.requests, args.input_len, args.output_len, args.max_id)
+def shaped(parts: list[tuple[int, tuple[int, int], tuple[int, int], tuple[int, int]]],
+           scale: float = 1.0, max_id: int = 10000,
+           seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Requests in parts of (count, shared prefixes, prompt range, output range), shuffled
+    together: a part with k > 0 shared prefixes (lengths drawn from `prefix_len`) puts one of
+    them, drawn per request, before each prompt. `scale` shrinks counts and lengths alike (the
+    tests run the same shapes on a tiny model)."""
+    rng = random.Random(seed)
+
+    def size(x: int) -> int:
+        return max(1, round(x * scale))
+
+    def ids(n: int) -> list[int]:
+        return [rng.randint(0, max_id) for _ in range(n)]
+
+    reqs = []
+    for count, (k, *prefix_len), input_len, output_len in parts:
+        prefixes = [ids(size(rng.randint(*prefix_len))) for _ in range(k)]
+        for _ in range(size(count)):
+            head = prefixes[rng.randrange(k)] if k else []
+            reqs.append((head + ids(size(rng.randint(*input_len))),
+                         size(rng.randint(*output_len))))
+    rng.shuffle(reqs)
+    return [p for p, _ in reqs], [n for _, n in reqs]
+
+
+NO_PREFIX = (0, 0, 0)
+# The workloads of chapter 21 beyond nano-vllm's, unlike it on purpose: each stresses another
+# part of the engine. (count, (shared prefixes, prefix length range), prompt range, output range)
+WORKLOADS: dict[str, list[tuple[int, tuple[int, int, int], tuple[int, int], tuple[int, int]]]] = {
+    # 384 requests behind 8 long shared prefixes: the radix cache answers most of each prompt
+    "prefix": [(384, (8, 1024, 2048), (32, 128), (64, 256))],
+    # 40 prompts of 4-8k tokens and short answers: prefill-bound
+    "long": [(40, NO_PREFIX, (4096, 8192), (32, 128))],
+    # 1,024 short requests: up to 1,024 running, past the largest CUDA graph (256)
+    "short": [(1024, NO_PREFIX, (32, 128), (128, 384))],
+    # all of it at once, smaller: chat, long prompts, shared prefixes, short ones
+    "mixed": [(128, NO_PREFIX, (100, 1024), (100, 1024)), (8, NO_PREFIX, (4096, 8192), (32, 128)),
+              (128, (4, 2048, 2048), (32, 128), (64, 256)),
+              (384, NO_PREFIX, (32, 128), (128, 384))],
+}
+POOL_CAP = 480_000  # KV tokens per engine: two engines' pools (55 GiB each) share one H200
+
+
+def the_workload(args: argparse.Namespace, round_: int = 0) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's draw is always the same; the others are drawn anew each round (the same draw
+    for every engine in a round), so a prefix cached in one round never answers the next."""
+    if args.workload == "nano":
+        return workload(args.requests, args.input_len, args.output_len, args.max_id)
+    return shaped(WORKLOADS[args.workload], args.scale, args.max_id, seed=round_)
+
+
+def engine_config(args: argparse.Namespace, prompts: list[list[int]],
+                  lens: list[int]) -> dict[str, Any]:
+    """The same for both engines. nano: as chapter 21 has always run it (naive cache, 256 rows).
+    The others: the radix cache, 1,024 rows, room for the longest request."""
+    pool = min(sum(map(len, prompts)) + sum(lens) + 4096, POOL_CAP)  # the whole workload fits
+    if args.workload == "nano":
+        config: dict[str, Any] = dict(max_seq_len_override=4096, cache_type="naive")
+    else:
+        longest = max(len(p) + k for p, k in zip(prompts, lens))
+        config = dict(max_seq_len_override=-(-(longest + 1) // 1024) * 1024, cache_type="radix",
+                      max_running_req=1024)
+    config.update(max_extend_tokens=16384, page_size=1)
+    if _cuda():
+        config["num_page_override"] = pool
+    return config
 
 
 def _cuda() -> Any:
@@ -72,17 +137,12 @@ class MinisglWorker:
         from minisgl.core import SamplingParams
         from minisgl.llm import LLM
 
+        self.args = args
         self.prompts, self.lens = the_workload(args)
-        self.params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=k)
-                       for k in self.lens]
         self.sp = SamplingParams
-        pool = sum(map(len, self.prompts)) + sum(self.lens) + 4096  # the whole workload fits
-        config: dict[str, Any] = dict(max_seq_len_override=4096, max_extend_tokens=16384,
-                                      page_size=1, cache_type="naive", attention_backend=attn,
-                                      cuda_graph_max_bs=(256 if graph else 0))
-        if _cuda():
-            config["num_page_override"] = pool
-        self.llm = LLM(args.model, **config)
+        config = engine_config(args, self.prompts, self.lens)
+        self.llm = LLM(args.model, attention_backend=attn, cuda_graph_max_bs=(256 if graph else 0),
+                       **config)
         self.stamps: list[float] = []
         self.window: tuple[int, int, Any] | None = None  # (first step, last step, profiler)
         inner = self.llm.send_result
@@ -100,13 +160,15 @@ class MinisglWorker:
         self.llm.generate(self.prompts[:16], self.sp(temperature=0.6, max_tokens=32,
                                                      ignore_eos=True))
 
-    def run(self) -> dict[str, Any]:
+    def run(self, round_: int = 0) -> dict[str, Any]:
+        prompts, lens = the_workload(self.args, round_ + 1)  # round 0's draw is the warm-up's
+        params = [self.sp(temperature=0.6, ignore_eos=True, max_tokens=k) for k in lens]
         if cuda := _cuda():
             cuda.reset_peak_memory_stats()
         self.stamps.clear()
         _sync()
         start = time.perf_counter()
-        outs = self.llm.generate(self.prompts, self.params)
+        outs = self.llm.generate(prompts, params)
         _sync()
         seconds = time.perf_counter() - start
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:])]
@@ -147,6 +209,50 @@ class MinisglWorker:
         return {"seconds": times[new_tokens], "output_tokens": new_tokens,
                 "step_ms_p50": (times[new_tokens] - times[1]) / (new_tokens - 1) * 1e3}
 
+    def host_profile(self) -> dict[str, Any]:
+        """Where the host's time goes in two shapes, each on fresh prompts (no cache hit): one
+        600-token prompt and its first token (a prefill step), and 256 prompts of 64 tokens with
+        64 tokens each (decode steps at batch 256). Per shape: the wall time alone, the torch
+        operators by host (self) time under torch.profiler, and the Python functions by own time
+        under cProfile (which slows Python calls, so read its shares, not its times)."""
+        import cProfile
+        import io
+        import pstats
+
+        import torch
+
+        rng = random.Random(7)
+
+        def draw(n: int, length: int) -> list[list[int]]:
+            return [[rng.randint(0, self.args.max_id) for _ in range(length)] for _ in range(n)]
+
+        out: dict[str, Any] = {}
+        for name, n, length, k in (("prefill", 1, 600, 1), ("decode", 256, 64, 64)):
+            params = self.sp(temperature=0.6, max_tokens=k, ignore_eos=True)
+            self.llm.generate(draw(n, length), params)  # warm-up of this shape
+            _sync()
+            start = time.perf_counter()
+            self.llm.generate(draw(n, length), params)
+            _sync()
+            row: dict[str, Any] = {"wall_ms": (time.perf_counter() - start) * 1e3}
+            cpu, gpu = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+            with torch.profiler.profile(activities=[cpu, gpu]) as prof:
+                self.llm.generate(draw(n, length), params)
+                _sync()
+            events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+            row["launches"] = sum(e.count for e in events if "LaunchKernel" in e.key)
+            row["ops"] = [[e.key[:70], e.self_cpu_time_total / 1e3, e.count] for e in events[:25]]
+            profiler = cProfile.Profile()
+            profiler.enable()
+            self.llm.generate(draw(n, length), params)
+            _sync()
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+            row["cprofile"] = text.getvalue()
+            out[name] = row
+        return out
+
     def close(self) -> None:
         self.llm.shutdown()
 
@@ -185,7 +291,7 @@ class HFWorker:
             manager.stop(block=True)
         return tokens
 
-    def run(self) -> dict[str, Any]:
+    def run(self, round_: int = 0) -> dict[str, Any]:
         if cuda := _cuda():
             cuda.reset_peak_memory_stats()
         _sync()
@@ -217,8 +323,12 @@ def worker_main(args: argparse.Namespace) -> None:
             break
         if command == "profile" and isinstance(worker, MinisglWorker):
             result = worker.profile()
-        else:
-            result = worker.latency() if command == "latency" else worker.run()
+        elif command == "hostprofile" and isinstance(worker, MinisglWorker):
+            result = worker.host_profile()
+        elif command == "latency" and isinstance(worker, MinisglWorker):
+            result = worker.latency()
+        else:  # run ROUND
+            result = worker.run(int(command.split()[1]))
         print(TAG + json.dumps(result), flush=True)
     worker.close()
 
@@ -269,6 +379,7 @@ def spawn(config: str, args: argparse.Namespace) -> Worker:
                  if p and Path(p).resolve() != ours.resolve()]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package), *inherited]))
     argv = [sys.executable, __file__, "--worker", config, "--model", args.model,
+            "--workload", args.workload, "--scale", str(args.scale),
             "--requests", str(args.requests), "--hf-timeout", str(args.hf_timeout),
             "--max-id", str(args.max_id), "--input-len", *map(str, args.input_len),
             "--output-len", *map(str, args.output_len)]
@@ -287,13 +398,15 @@ def run_group(configs: list[str], args: argparse.Namespace) -> list[dict[str, An
     with tqdm(total=rounds * len(workers), desc=" ".join(configs), file=sys.stderr) as bar:
         for r in range(rounds):
             for w in workers[r % len(workers):] + workers[:r % len(workers)]:
-                rows[w.config]["runs"].append(w.ask("run"))
+                rows[w.config]["runs"].append(w.ask(f"run {r}"))
                 bar.update()
         for w in workers:
             if args.latency and not w.config.startswith("hf"):
                 rows[w.config]["latency"] = [w.ask("latency") for _ in range(args.rounds)]
             if args.profile and not w.config.startswith("hf"):
                 rows[w.config]["profile"] = w.ask("profile")
+            if args.host_profile and not w.config.startswith("hf"):
+                rows[w.config]["host_profile"] = w.ask("hostprofile")
     for w in workers:
         assert w.proc.stdin
         w.proc.stdin.write("quit\n")
@@ -304,11 +417,13 @@ def run_group(configs: list[str], args: argparse.Namespace) -> list[dict[str, An
 
 def summarise(row: dict[str, Any]) -> dict[str, Any]:
     runs = row.pop("runs")
-    out = {**row, "seconds": statistics.median(r["seconds"] for r in runs),
+    rates = [r["output_tokens"] / r["seconds"] for r in runs]  # a round's draw is the same for
+    out = {**row, "seconds": statistics.median(r["seconds"] for r in runs),  # every engine
            "seconds_all": [round(r["seconds"], 3) for r in runs],
            "output_tokens": runs[0]["output_tokens"],
+           "tokens_all": [r["output_tokens"] for r in runs],
+           "tok_s": statistics.median(rates), "tok_s_all": [round(x, 1) for x in rates],
            "peak_gib": max((r["peak_gib"] or 0) for r in runs) or None}
-    out["tok_s"] = out["output_tokens"] / out["seconds"]
     steps = [r["step_ms_p50"] for r in runs if r["step_ms_p50"] is not None]
     out["step_ms_p50"] = statistics.median(steps) if steps else None
     if lat := row.pop("latency", None):
@@ -332,6 +447,16 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
                      f"{r['tok_s']:8.0f} {num(r['step_ms_p50'], '9.2f')} "
                      f"{num(r['peak_gib'], '8.1f')} {r['startup_s']:7.1f}  {one}")
     return lines
+
+
+def ratios(rows: list[dict[str, Any]]) -> str:
+    """ours / official output tok/s, round by round (both ran the same draw in a round)."""
+    by = {r["config"].split(":")[0]: r for r in rows}
+    if "ours" not in by or "official" not in by:
+        return ""
+    per = [a / b for a, b in zip(by["ours"]["tok_s_all"], by["official"]["tok_s_all"])]
+    return (f"ours / official per round: {' '.join(f'{x:.3f}' for x in per)}; median "
+            f"{statistics.median(per):.3f}")
 
 
 def machine() -> str:
@@ -362,15 +487,22 @@ def main() -> None:
                         help="also one request of 256 tokens (batch 1), `rounds` times")
     parser.add_argument("--profile", action="store_true",
                         help="also profile 50 decode steps mid-run (GPU busy vs wall, kernels)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also profile the host: a 600-token prefill, 64 decode steps at 256")
+    parser.add_argument("--workload", default="nano", choices=["nano", *WORKLOADS],
+                        help="nano-vllm's (--requests, --input-len, --output-len) or one of ours")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="shrink our workloads' counts and lengths (tests)")
     parser.add_argument("--hf-timeout", type=float, default=600)
     parser.add_argument("--json", default="", help="write the results here")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker_main(args)
-    prompts, lens = the_workload(args)
-    head = (f"workload: {args.requests} requests, prompts {sum(map(len, prompts))} tokens, "
-            f"outputs {sum(lens)} tokens asked; {args.rounds} rounds per group, in turns")
+    prompts, lens = the_workload(args, 1)  # the first timed round's draw
+    head = (f"workload {args.workload}: {len(prompts)} requests, prompts "
+            f"{sum(map(len, prompts))} tokens, outputs {sum(lens)} tokens asked (round 1); "
+            f"{args.rounds} rounds per group, in turns")
     print(head, flush=True)
     rows = []
     for group in args.group:
@@ -382,6 +514,14 @@ def main() -> None:
                       f"{prof['wall_ms']:.1f} ms, GPU busy {prof['gpu_busy_ms']:.1f} ms")
                 for name, ms, calls in prof["kernels"]:
                     print(f"  {ms:9.2f} ms {calls:6d} calls  {name}")
+            for shape, prof in row.get("host_profile", {}).items():
+                print(f"host profile {row['config']} {shape}: wall {prof['wall_ms']:.1f} ms, "
+                      f"{prof['launches']} kernel launches; torch ops by host time:")
+                for name, ms, calls in prof["ops"]:
+                    print(f"  {ms:9.2f} ms {calls:6d} calls  {name}")
+                print(prof["cprofile"])
+        if line := ratios(rows[-len(group):]):
+            print(line, flush=True)
         if args.json:
             write_json(args, rows, sum(lens))
     lines = [head, *table(rows)]
@@ -396,7 +536,8 @@ def write_json(args: argparse.Namespace, rows: list[dict[str, Any]], asked: int)
     result = {"bench": "offline", "machine": machine(), "date": date.today().isoformat(),
               "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
               "command": shlex.join(["python", *sys.argv]),
-              "workload": {"requests": args.requests, "input_len": args.input_len,
+              "workload": {"name": args.workload, "scale": args.scale,
+                           "requests": args.requests, "input_len": args.input_len,
                            "output_len": args.output_len, "asked": asked},
               "rows": rows}
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Chapter 21's GPU runs, as they were run on an H200: bash benchmark/h200.sh PART OUT
-#   PART: sampler, kernels, offline, profile, ablate, hf, moe, online, serve, serve1, tp2 (see below)
+#   PART: sampler, kernels, offline, workloads, profile, ablate, hf, moe, online, serve, serve1, tp2 (see below)
 #   OUT:  a folder for the results (JSON + the printed text)
 # Needs: flashinfer-python 0.5.3 and the server's packages importable (the wheels went to a
 # folder on PYTHONPATH); Q06: the random Qwen3-0.6B shape, made if missing; OFFICIAL: the
@@ -52,6 +52,16 @@ kernels)  # our kernels against torch's ops: equal, then timed (chapter 19's, as
 offline)  # the comparison: ours (overlap on and off) and the official, in turns in one group
     offline ch21_offline 3 --latency --group ours:fi:graph:on official:fi:graph:on \
         ours:fi:graph:off
+    ;;
+workloads)  # nano-vllm's and our four, ours and the official in turns; the host profiled
+    for w in ${WORKLOADS:-nano prefix long short mixed}; do
+        extra=(); [ "$w" = nano ] && extra=(--latency --host-profile)
+        echo "# python benchmark/bench_offline.py --model q06 --rounds 3 --workload $w ${extra[*]}" \
+            "($(date -I))" >> "$OUT/ch21_workloads.txt"
+        python benchmark/bench_offline.py --model "$Q06" --official "$OFFICIAL" --rounds 3 \
+            --workload "$w" "${extra[@]}" --group ours:fi:graph:on official:fi:graph:on \
+            --json "$OUT/ch21_w_$w.json" 2>&1 | quiet | tee -a "$OUT/ch21_workloads.txt"
+    done
     ;;
 profile)  # one more round of each, and 50 decode steps of each profiled mid-run
     offline ch21_profile 1 --profile --group ours:fi:graph:on official:fi:graph:on

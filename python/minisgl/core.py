@@ -71,6 +71,13 @@ class Req:
         self.max_device_len = len(self.input_ids) + self.output_len
         if not 0 <= self.cached_len < self.device_len <= self.max_device_len:
             raise ValueError(f"bad lengths: {self}")
+        # input_ids is a view of this buffer, which has room for the tokens to come: a token
+        # is appended by one store through its numpy view, not by a new tensor per token
+        n = self.device_len
+        self._host = torch.empty(min(self.max_device_len, n + 256), dtype=self.input_ids.dtype)
+        self._host[:n] = self.input_ids
+        self._host_np = self._host.numpy()
+        self.input_ids = self._host[:n]
 
     @property
     def extend_len(self) -> int:
@@ -91,8 +98,15 @@ class Req:
         self.cached_len = self.device_len
         self.device_len += 1
 
-    def append_host(self, next_token: torch.Tensor) -> None:
-        self.input_ids = torch.cat([self.input_ids, next_token.view(1).to(self.input_ids)])
+    def append_host(self, next_token: int | torch.Tensor) -> None:
+        """The token sampled for the slot reserved by complete_one, onto input_ids."""
+        n = len(self.input_ids)
+        if n == len(self._host):  # full (a request past its budget, in tests): double it
+            grown = torch.empty(2 * n, dtype=self._host.dtype)
+            grown[:n] = self._host
+            self._host, self._host_np = grown, grown.numpy()
+        self._host_np[n] = int(next_token)
+        self.input_ids = self._host[: n + 1]
 
     def __repr__(self) -> str:
         return (f"Req(uid={self.uid}, table_idx={self.table_idx}, cached_len={self.cached_len}, "

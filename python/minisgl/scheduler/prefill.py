@@ -23,7 +23,7 @@ class ChunkedReq(Req):
     """A prompt computed in parts (chapter 10): it keeps its row and handle between steps, is
     never decoded, and the token sampled after a part is thrown away."""
 
-    def append_host(self, next_token: torch.Tensor) -> None:
+    def append_host(self, next_token: int | torch.Tensor) -> None:
         raise RuntimeError("a ChunkedReq has no next token: its prompt is not finished")
 
     @property

@@ -263,15 +263,14 @@ class Scheduler:
         output.copy_done.synchronize()
         replies: list[TokenReply] = []
         newly_finished: set[Req] = set()
-        for i, req in enumerate(forward_input.batch.reqs):
+        tokens = output.next_tokens_cpu.tolist()  # one conversion, not one tensor per request
+        for req, value in zip(forward_input.batch.reqs, tokens):
             # a chunk's token means nothing; a request that finished in the previous step was
             # already in this batch (it was scheduled before we knew) and is not reported twice
             if isinstance(req, ChunkedReq) or req in self.finished_reqs:
                 continue
-            token = output.next_tokens_cpu[i]
-            req.append_host(token)
+            req.append_host(value)
             # counted on the host: with overlap, device_len already includes the batch in flight
-            value = int(token)
             reason = _finish_reason(req, value, self.eos_token_id)
             if self.aborted.pop(req.uid, None) is not None:  # its token is dropped, and
                 reason, value = "abort", -1  # its row and pages come back
