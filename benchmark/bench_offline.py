@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -94,28 +95,33 @@ WORKLOADS: dict[str, list[tuple[int, tuple[int, int, int], tuple[int, int], tupl
 POOL_CAP = 480_000  # KV tokens per engine: two engines' pools (55 GiB each) share one H200
 
 
-def the_workload(args: argparse.Namespace, round_: int = 0) -> tuple[list[list[int]], list[int]]:
-    """nano-vllm's draw is always the same; the others are drawn anew each round (the same draw
-    for every engine in a round), so a prefix cached in one round never answers the next."""
-    if args.workload == "nano":
+def the_workload(args: argparse.Namespace, name: str = "",
+                 round_: int = 0) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's draw is always the same; ours are drawn anew each round (the same draw for
+    every engine in a round), so a prefix cached in one round never answers the next."""
+    name = name or args.workload[0]
+    if name == "nano":
         return workload(args.requests, args.input_len, args.output_len, args.max_id)
-    return shaped(WORKLOADS[args.workload], args.scale, args.max_id, seed=round_)
+    return shaped(WORKLOADS[name], args.scale, args.max_id, seed=round_)
 
 
-def engine_config(args: argparse.Namespace, prompts: list[list[int]],
-                  lens: list[int]) -> dict[str, Any]:
-    """The same for both engines. nano: as chapter 21 has always run it (naive cache, 256 rows).
-    The others: the radix cache, 1,024 rows, room for the longest request."""
-    pool = min(sum(map(len, prompts)) + sum(lens) + 4096, POOL_CAP)  # the whole workload fits
-    if args.workload == "nano":
+def engine_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The same for both engines. nano: as chapter 21 has always run it (naive cache, 256 rows,
+    a pool that holds the whole workload). Ours, one engine for all four: the radix cache,
+    1,024 rows, room for the longest request, a pool of POOL_CAP tokens."""
+    if args.workload == ["nano"]:
+        prompts, lens = the_workload(args, "nano")
+        pool = sum(map(len, prompts)) + sum(lens) + 4096
         config: dict[str, Any] = dict(max_seq_len_override=4096, cache_type="naive")
     else:
-        longest = max(len(p) + k for p, k in zip(prompts, lens))
+        pool = POOL_CAP
+        longest = max(len(p) + k for p, k in (x for w in args.workload
+                                                for x in zip(*the_workload(args, w))))
         config = dict(max_seq_len_override=-(-(longest + 1) // 1024) * 1024, cache_type="radix",
                       max_running_req=1024)
     config.update(max_extend_tokens=16384, page_size=1)
     if _cuda():
-        config["num_page_override"] = pool
+        config["num_page_override"] = min(pool, POOL_CAP * 2)
     return config
 
 
@@ -140,7 +146,7 @@ class MinisglWorker:
         self.args = args
         self.prompts, self.lens = the_workload(args)
         self.sp = SamplingParams
-        config = engine_config(args, self.prompts, self.lens)
+        config = engine_config(args)
         self.llm = LLM(args.model, attention_backend=attn, cuda_graph_max_bs=(256 if graph else 0),
                        **config)
         self.stamps: list[float] = []
@@ -160,8 +166,8 @@ class MinisglWorker:
         self.llm.generate(self.prompts[:16], self.sp(temperature=0.6, max_tokens=32,
                                                      ignore_eos=True))
 
-    def run(self, round_: int = 0) -> dict[str, Any]:
-        prompts, lens = the_workload(self.args, round_ + 1)  # round 0's draw is the warm-up's
+    def run(self, name: str, round_: int = 0) -> dict[str, Any]:
+        prompts, lens = the_workload(self.args, name, round_ + 1)  # round 0's: the warm-up's
         params = [self.sp(temperature=0.6, ignore_eos=True, max_tokens=k) for k in lens]
         if cuda := _cuda():
             cuda.reset_peak_memory_stats()
@@ -291,7 +297,7 @@ class HFWorker:
             manager.stop(block=True)
         return tokens
 
-    def run(self, round_: int = 0) -> dict[str, Any]:
+    def run(self, name: str = "nano", round_: int = 0) -> dict[str, Any]:
         if cuda := _cuda():
             cuda.reset_peak_memory_stats()
         _sync()
@@ -327,8 +333,9 @@ def worker_main(args: argparse.Namespace) -> None:
             result = worker.host_profile()
         elif command == "latency" and isinstance(worker, MinisglWorker):
             result = worker.latency()
-        else:  # run ROUND
-            result = worker.run(int(command.split()[1]))
+        else:  # run WORKLOAD ROUND
+            _, name, round_ = command.split()
+            result = worker.run(name, int(round_))
         print(TAG + json.dumps(result), flush=True)
     worker.close()
 
@@ -379,7 +386,7 @@ def spawn(config: str, args: argparse.Namespace) -> Worker:
                  if p and Path(p).resolve() != ours.resolve()]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package), *inherited]))
     argv = [sys.executable, __file__, "--worker", config, "--model", args.model,
-            "--workload", args.workload, "--scale", str(args.scale),
+            "--workload", *args.workload, "--scale", str(args.scale),
             "--requests", str(args.requests), "--hf-timeout", str(args.hf_timeout),
             "--max-id", str(args.max_id), "--input-len", *map(str, args.input_len),
             "--output-len", *map(str, args.output_len)]
@@ -388,31 +395,39 @@ def spawn(config: str, args: argparse.Namespace) -> Worker:
     return Worker(config, proc)
 
 
-def run_group(configs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Start the group's workers, then `args.rounds` rounds of one timed run each, in turns."""
+def run_group(configs: list[str], args: argparse.Namespace,
+              report: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Start the group's workers, then for each workload `args.rounds` rounds of one timed run
+    each, in turns (the order rotates each round); `report` gets each workload's rows."""
     from tqdm import tqdm
 
     workers = [spawn(c, args) for c in configs]
-    rows = {w.config: {"config": w.config, **w.ask(), "runs": []} for w in workers}
+    started = {w.config: w.ask() for w in workers}
     rounds = 1 if configs == ["hf"] else args.rounds
-    with tqdm(total=rounds * len(workers), desc=" ".join(configs), file=sys.stderr) as bar:
-        for r in range(rounds):
-            for w in workers[r % len(workers):] + workers[:r % len(workers)]:
-                rows[w.config]["runs"].append(w.ask(f"run {r}"))
-                bar.update()
-        for w in workers:
-            if args.latency and not w.config.startswith("hf"):
+    for i, name in enumerate(args.workload):
+        rows = {w.config: {"config": w.config, "workload": name, **started[w.config],
+                           "runs": []} for w in workers}
+        with tqdm(total=rounds * len(workers), desc=f"{name}: {' '.join(configs)}",
+                  file=sys.stderr) as bar:
+            for r in range(rounds):
+                for w in workers[r % len(workers):] + workers[:r % len(workers)]:
+                    rows[w.config]["runs"].append(w.ask(f"run {name} {r}"))
+                    bar.update()
+        for w in workers:  # once per group, with the first workload's rows
+            if i > 0 or w.config.startswith("hf"):
+                continue
+            if args.latency:
                 rows[w.config]["latency"] = [w.ask("latency") for _ in range(args.rounds)]
-            if args.profile and not w.config.startswith("hf"):
+            if args.profile:
                 rows[w.config]["profile"] = w.ask("profile")
-            if args.host_profile and not w.config.startswith("hf"):
+            if args.host_profile:
                 rows[w.config]["host_profile"] = w.ask("hostprofile")
+        report([summarise(row) for row in rows.values()])
     for w in workers:
         assert w.proc.stdin
         w.proc.stdin.write("quit\n")
         w.proc.stdin.flush()
         w.proc.wait()
-    return [summarise(row) for row in rows.values()]
 
 
 def summarise(row: dict[str, Any]) -> dict[str, Any]:
@@ -489,8 +504,9 @@ def main() -> None:
                         help="also profile 50 decode steps mid-run (GPU busy vs wall, kernels)")
     parser.add_argument("--host-profile", action="store_true",
                         help="also profile the host: a 600-token prefill, 64 decode steps at 256")
-    parser.add_argument("--workload", default="nano", choices=["nano", *WORKLOADS],
-                        help="nano-vllm's (--requests, --input-len, --output-len) or one of ours")
+    parser.add_argument("--workload", nargs="+", default=["nano"], choices=["nano", *WORKLOADS],
+                        help="nano-vllm's (--requests, --input-len, --output-len), alone, or "
+                        "any of ours, run one after another by the same engines")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="shrink our workloads' counts and lengths (tests)")
     parser.add_argument("--hf-timeout", type=float, default=600)
@@ -499,16 +515,22 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker_main(args)
-    prompts, lens = the_workload(args, 1)  # the first timed round's draw
-    head = (f"workload {args.workload}: {len(prompts)} requests, prompts "
-            f"{sum(map(len, prompts))} tokens, outputs {sum(lens)} tokens asked (round 1); "
-            f"{args.rounds} rounds per group, in turns")
-    print(head, flush=True)
-    rows = []
-    for group in args.group:
-        rows += run_group(group, args)
-        print("\n".join(table(rows[-len(group):])), flush=True)
-        for row in rows[-len(group):]:
+    if "nano" in args.workload and len(args.workload) > 1:
+        raise SystemExit("--workload nano runs alone (its engines are configured apart)")
+    heads = []
+    for name in args.workload:
+        prompts, lens = the_workload(args, name, 1)  # the first timed round's draw
+        heads.append(f"workload {name}: {len(prompts)} requests, prompts "
+                     f"{sum(map(len, prompts))} tokens, outputs {sum(lens)} tokens asked "
+                     f"(round 1); {args.rounds} rounds per group, in turns")
+        print(heads[-1], flush=True)
+    rows: list[dict[str, Any]] = []
+
+    def report(new: list[dict[str, Any]]) -> None:
+        rows.extend(new)
+        print(f"workload {new[0]['workload']}:")
+        print("\n".join(table(new)), flush=True)
+        for row in new:
             if prof := row.get("profile"):
                 print(f"profile {row['config']}: {prof['steps']} steps mid-run, wall "
                       f"{prof['wall_ms']:.1f} ms, GPU busy {prof['gpu_busy_ms']:.1f} ms")
@@ -520,25 +542,30 @@ def main() -> None:
                 for name, ms, calls in prof["ops"]:
                     print(f"  {ms:9.2f} ms {calls:6d} calls  {name}")
                 print(prof["cprofile"])
-        if line := ratios(rows[-len(group):]):
+        if line := ratios(new):
             print(line, flush=True)
         if args.json:
-            write_json(args, rows, sum(lens))
-    lines = [head, *table(rows)]
-    print("\n".join(lines))
-    if args.json:
-        write_json(args, rows, sum(lens))
+            write_json(args, rows)
+
+    for group in args.group:
+        run_group(group, args, report)
+    print("\n".join(heads))
+    for name in args.workload:
+        print(f"workload {name}:")
+        print("\n".join(table([r for r in rows if r["workload"] == name])))
+        print(ratios([r for r in rows if r["workload"] == name]))
 
 
-def write_json(args: argparse.Namespace, rows: list[dict[str, Any]], asked: int) -> None:
+def write_json(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     import torch
 
     result = {"bench": "offline", "machine": machine(), "date": date.today().isoformat(),
               "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
               "command": shlex.join(["python", *sys.argv]),
-              "workload": {"name": args.workload, "scale": args.scale,
+              "workload": {"names": args.workload, "scale": args.scale,
                            "requests": args.requests, "input_len": args.input_len,
-                           "output_len": args.output_len, "asked": asked},
+                           "output_len": args.output_len,
+                           "asked": {w: sum(the_workload(args, w, 1)[1]) for w in args.workload}},
               "rows": rows}
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -53,15 +53,18 @@ offline)  # the comparison: ours (overlap on and off) and the official, in turns
     offline ch21_offline 3 --latency --group ours:fi:graph:on official:fi:graph:on \
         ours:fi:graph:off
     ;;
-workloads)  # nano-vllm's and our four, ours and the official in turns; the host profiled
-    for w in ${WORKLOADS:-nano prefix long short mixed}; do
-        extra=(); [ "$w" = nano ] && extra=(--latency --host-profile)
-        echo "# python benchmark/bench_offline.py --model q06 --rounds 3 --workload $w ${extra[*]}" \
-            "($(date -I))" >> "$OUT/ch21_workloads.txt"
+workloads)  # ours and the official in turns: nano-vllm's alone (its own configuration), then
+    # our four on one pair of engines; batch 1 and the host profile with each
+    workload() {  # TAG WORKLOAD...
+        local tag=$1; shift
+        echo "# python benchmark/bench_offline.py --model q06 --rounds 3 --latency --host-profile" \
+            "--workload $* ($(date -I))" >> "$OUT/ch21_workloads.txt"
         python benchmark/bench_offline.py --model "$Q06" --official "$OFFICIAL" --rounds 3 \
-            --workload "$w" "${extra[@]}" --group ours:fi:graph:on official:fi:graph:on \
-            --json "$OUT/ch21_w_$w.json" 2>&1 | quiet | tee -a "$OUT/ch21_workloads.txt"
-    done
+            --latency --host-profile --workload "$@" --group ours:fi:graph:on official:fi:graph:on \
+            --json "$OUT/ch21_w_$tag.json" 2>&1 | quiet | tee -a "$OUT/ch21_workloads.txt"
+    }
+    [ "${NANO:-1}" = 1 ] && workload nano nano
+    workload ours prefix long short mixed
     ;;
 profile)  # one more round of each, and 50 decode steps of each profiled mid-run
     offline ch21_profile 1 --profile --group ours:fi:graph:on official:fi:graph:on

@@ -47,37 +47,38 @@ class SamplingParams:
         return (self.temperature <= 0.0 or self.top_k == 1) and self.top_p == 1.0
 
 
-@dataclass(eq=False)
 class Req:
     """One request's state. Its tokens 0..device_len-1 have (or are about to have) KV slots:
 
     - `cached_len`: tokens whose K/V are already in the cache;
     - `device_len`: tokens the next forward pass will have seen (cached + this step's new ones);
     - `max_device_len`: prompt + output budget, the most this request will ever hold.
+
+    Its tokens live in a host buffer with room for the ones to come: appending a sampled
+    token is one store, and `input_ids` is a view of the filled part (chapter 21 measured a
+    new tensor per token, and a tensor's len(), as a step's largest host costs at batch 256).
     """
 
-    input_ids: torch.Tensor  # int32, on the CPU: prompt, then every sampled token
-    table_idx: int  # its row of the page table
-    cached_len: int
-    output_len: int  # how many tokens it may still generate
-    uid: int
-    sampling_params: SamplingParams
-    cache_handle: Any = None  # the prefix-cache handle, from chapter 9 on
-
-    def __post_init__(self) -> None:
-        if self.input_ids.device.type != "cpu":
+    def __init__(self, input_ids: torch.Tensor, table_idx: int, cached_len: int, output_len: int,
+                 uid: int, sampling_params: SamplingParams, cache_handle: Any = None) -> None:
+        if input_ids.device.type != "cpu":
             raise ValueError("Req.input_ids must live on the CPU")
-        self.device_len = len(self.input_ids)
-        self.max_device_len = len(self.input_ids) + self.output_len
+        self.host_len = n = len(input_ids)  # tokens known on the host: len(input_ids)
+        self._host = torch.empty(n + min(max(output_len, 0), 256), dtype=input_ids.dtype)
+        self._host[:n] = input_ids
+        self._host_np = self._host.numpy()
+        self.table_idx, self.cached_len, self.output_len = table_idx, cached_len, output_len
+        self.uid, self.sampling_params = uid, sampling_params
+        self.cache_handle = cache_handle  # the prefix-cache handle, from chapter 9 on
+        self.device_len = n
+        self.max_device_len = n + output_len
         if not 0 <= self.cached_len < self.device_len <= self.max_device_len:
             raise ValueError(f"bad lengths: {self}")
-        # input_ids is a view of this buffer, which has room for the tokens to come: a token
-        # is appended by one store through its numpy view, not by a new tensor per token
-        n = self.device_len
-        self._host = torch.empty(min(self.max_device_len, n + 256), dtype=self.input_ids.dtype)
-        self._host[:n] = self.input_ids
-        self._host_np = self._host.numpy()
-        self.input_ids = self._host[:n]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """int32 on the CPU: the prompt, then every sampled token."""
+        return self._host[: self.host_len]
 
     @property
     def extend_len(self) -> int:
@@ -99,14 +100,14 @@ class Req:
         self.device_len += 1
 
     def append_host(self, next_token: int | torch.Tensor) -> None:
-        """The token sampled for the slot reserved by complete_one, onto input_ids."""
-        n = len(self.input_ids)
-        if n == len(self._host):  # full (a request past its budget, in tests): double it
+        """The token sampled for the slot complete_one reserved, onto input_ids."""
+        n = self.host_len
+        if n == len(self._host):  # full (past 256 tokens, or past the budget in tests): double
             grown = torch.empty(2 * n, dtype=self._host.dtype)
             grown[:n] = self._host
             self._host, self._host_np = grown, grown.numpy()
         self._host_np[n] = int(next_token)
-        self.input_ids = self._host[: n + 1]
+        self.host_len = n + 1
 
     def __repr__(self) -> str:
         return (f"Req(uid={self.uid}, table_idx={self.table_idx}, cached_len={self.cached_len}, "

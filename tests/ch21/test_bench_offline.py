@@ -35,7 +35,7 @@ def test_the_driver_runs_each_configuration_in_its_own_process(
          str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
-    asked = result["workload"]["asked"]
+    asked = result["workload"]["asked"]["nano"]
     assert [r["config"] for r in result["rows"]] == ["ours:torch:eager:on", "ours:torch:eager:off"]
     for row in result["rows"]:
         assert row["output_tokens"] == asked  # ignore_eos: every asked token is there

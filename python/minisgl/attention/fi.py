@@ -56,6 +56,7 @@ class FlashInferBackend(BaseAttnBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores)
         self.graph_wrappers: dict[int, Any] = {}  # one per captured batch size (chapter 18)
+        self.layer_caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # views, by layer
         self.pin = device.type == "cuda"
         # plan stages the layout in one pinned host buffer of FlashInfer's and copies it to the
         # GPU asynchronously; the next plan may refill that buffer only once the copy has run
@@ -88,8 +89,10 @@ class FlashInferBackend(BaseAttnBackend):
         ctx = get_global_ctx()
         if not meta.planned:
             self._plan(meta)
-        cache = (ctx.kv_cache.k_cache(layer_id).unsqueeze(1),  # [slots, 1, Hkv, D]: NHD pages
-                 ctx.kv_cache.v_cache(layer_id).unsqueeze(1))
+        if (cache := self.layer_caches.get(layer_id)) is None:  # made once per layer
+            cache = self.layer_caches[layer_id] = (  # [slots, 1, Hkv, D]: NHD pages of one
+                ctx.kv_cache.k_cache(layer_id).unsqueeze(1),
+                ctx.kv_cache.v_cache(layer_id).unsqueeze(1))
         return meta.wrapper.run(q, cache)
 
     def _plan(self, meta: FIMetadata) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -90,11 +91,21 @@ def load(emulate: bool) -> ctypes.CDLL:
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernels compute in (kernels.cu)
 
 
+# The current stream's raw handle in one call: the function torch's own compiler emits.
+# torch.cuda.current_stream() builds a Stream object and resolves the device first, which
+# cost more than the launch itself in a prefill of some 200 of our launches (chapter 21).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _call(t: torch.Tensor, name: str, *args: object) -> None:
     """Launch kernel `name` on t's device (the emulator for a CPU tensor), on the current
     stream; a failed launch raises with the CUDA (or emulator) reason."""
-    lib = load(not t.is_cuda)
-    stream = torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
+    if t.is_cuda:
+        lib = load(False)
+        stream = (_raw_stream(t.get_device()) if _raw_stream is not None
+                  else torch.cuda.current_stream(t.device).cuda_stream)
+    else:
+        lib, stream = load(True), None
     code = getattr(lib, name)(*args, stream)
     if code != 0:
         raise RuntimeError(f"kernel {name} failed: {lib.error_string(code).decode()}")
@@ -108,7 +119,7 @@ def store_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Ten
                 k: torch.Tensor, v: torch.Tensor) -> None:
     """Row i of k and v ([T, H, D], each token's H*D contiguous) into slot indices[i] of the
     [slots, H, D] caches; the contract of reference.store_cache."""
-    row = k_cache[0].numel() * k_cache.element_size()
+    row = k_cache.stride(0) * k_cache.element_size()  # the cache is contiguous (below)
     for x in (k, v):
         assert x.stride(-1) == 1 and x.stride(-2) == x.shape[-1], "heads must be contiguous"
     assert k_cache.is_contiguous() and indices.dtype in (torch.int32, torch.int64)
@@ -163,7 +174,8 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch
     for x in (q, k):
         assert x.stride(-1) == 1 and (x.dim() == 2 or x.stride(1) == head_dim)
     assert table.dtype == torch.float32 and positions.dtype in (torch.int32, torch.int64)
-    tokens, hq, hk = q.shape[0], q[0].numel() // head_dim, k[0].numel() // head_dim
+    tokens, hq, hk = q.shape[0], math.prod(q.shape[1:]) // head_dim, \
+        math.prod(k.shape[1:]) // head_dim
     q_out = torch.empty(tokens, hq * head_dim, dtype=q.dtype, device=q.device)
     k_out = torch.empty(tokens, hk * head_dim, dtype=k.dtype, device=k.device)
     _call(q, "rope", q_out.data_ptr(), k_out.data_ptr(), q.data_ptr(), k.data_ptr(),

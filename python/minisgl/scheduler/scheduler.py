@@ -286,7 +286,7 @@ def _finish_reason(req: Req, token: int, eos_token_id: int) -> str | None:
     """"stop" at the EOS (unless ignored), "length" at max_tokens or the context's end."""
     if not req.sampling_params.ignore_eos and token == eos_token_id:
         return "stop"
-    return "length" if len(req.input_ids) >= req.max_device_len else None
+    return "length" if req.host_len >= req.max_device_len else None
 
 
 def _to_device(values: list[int], pin: bool, device: torch.device) -> torch.Tensor:
