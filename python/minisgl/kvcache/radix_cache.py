@@ -6,15 +6,17 @@ import heapq
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .base import BaseCacheHandle, BasePrefixCache, InsertResult, SizeInfo
 
 
 def match_len(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Length of the common prefix of two 1-D token tensors."""
+    """Length of the common prefix of two 1-D token tensors on the CPU (compared through numpy:
+    torch's ops cost several microseconds each here, and this runs for every page walked)."""
     n = min(len(a), len(b))
-    diff = (a[:n] != b[:n]).nonzero()
+    diff = np.flatnonzero(a.numpy()[:n] != b.numpy()[:n])
     return int(diff[0]) if len(diff) else n
 
 

@@ -112,9 +112,10 @@ class PrefillManager:
         adder = PrefillAdder(token_budget, self.decode_manager.inflight_tokens,
                              self.cache_manager, self.table_manager)
         reqs: list[Req] = []
+        heads: dict[tuple[str, bytes], list[Req]] = {}  # the batch's requests by _head
         waiting: list[PendingReq] = []  # chunked or deferred: they stay in the queue
         for i, pending in enumerate(self.pending):
-            if pending.chunked_req is None and self._shares_with(pending, reqs):
+            if pending.chunked_req is None and self._shares_with(pending, heads):
                 waiting.append(pending)
                 continue
             req = adder.try_add_one(pending)
@@ -125,21 +126,38 @@ class PrefillManager:
             if pending.chunked_req is not None:
                 waiting.insert(0, pending)  # its next part goes first next time
             reqs.append(req)
+            if (head := self._head(req.cache_handle.salt, req.input_ids)) is not None:
+                heads.setdefault(head, []).append(req)
         self.pending = waiting
         return Batch(reqs, "prefill") if reqs else None
 
-    def _shares_with(self, pending: PendingReq, batch: list[Req]) -> bool:
+    @property
+    def _defer_min(self) -> int:
+        return max(DEFER_MIN_SHARED, self.cache_manager.page_size)
+
+    def _head(self, salt: str, ids: torch.Tensor) -> tuple[str, bytes] | None:
+        """The salt and the first _defer_min tokens: two requests can share that many only if
+        these are equal (None: too short to share that many)."""
+        n = self._defer_min
+        return None if len(ids) < n else (salt, ids[:n].numpy().tobytes())
+
+    def _shares_with(self, pending: PendingReq,
+                     heads: dict[tuple[str, bytes], list[Req]]) -> bool:
         """Does a request already in this batch hold a prefix of ours that the cache does not
         have yet? Requests of one batch cannot read each other's K/V, so computing that prefix
         twice would be waste: better wait one step and find it in the cache (chapter 9). Only
-        a request with our salt counts: we would never find another salt's prefix there."""
-        same_salt = [r for r in batch if r.cache_handle.salt == pending.cache_salt]
-        if not same_salt or not self.cache_manager.prefix_cache.reuses_prefixes:
+        a request with our salt counts: we would never find another salt's prefix there. Only
+        the batch's requests that begin as we do are compared (a dict lookup, where comparing
+        against all of them cost O(batch^2) token comparisons per step, chapter 21)."""
+        if not heads or not self.cache_manager.prefix_cache.reuses_prefixes:
+            return False
+        ids = pending.input_ids[:-1]
+        head = self._head(pending.cache_salt, ids)
+        if head is None or not (same := heads.get(head)):
             return False
         cached = self.cache_manager.match_req(pending).cached_len
-        ids = pending.input_ids[:-1]
-        shared = max(match_len(r.input_ids, ids) for r in same_salt)
-        return shared - cached >= max(DEFER_MIN_SHARED, self.cache_manager.page_size)
+        shared = max(match_len(r.input_ids, ids) for r in same)
+        return shared - cached >= self._defer_min
 
     @property
     def runnable(self) -> bool:
