@@ -1,12 +1,14 @@
 """The figures of chapter 21 (which introduces this script), drawn from committed results files.
 
-    python benchmark/plots.py            # writes docs/assets/ch21/*.svg (four figures)
+    python benchmark/plots.py            # writes docs/assets/ch21/*.svg (five figures)
     python benchmark/plots.py --check    # redraws into a temporary folder; exit 1 if any differs
 
 throughput.svg: offline output tok/s per configuration on the H200 (bench_offline.py).
 latency.svg: TTFT, ITL and E2E p50/p99 per arrival rate (bench_serving.py) on the CPU.
 online.svg: the H200 sweep of online.py, ours and the official side by side, rounds in turns:
 output tok/s, TTFT p50 and the inter-token gap p99 per load.
+workloads.svg: offline, ours / the official per workload (nano-vllm's and our four), each
+round and their median.
 step.svg: where a decode step's GPU time goes, ours (before and after the sampler fix) against
 the official, from the kernel profiles of bench_offline.py --profile.
 
@@ -303,6 +305,51 @@ def online(path: Path) -> None:
     save(fig, path)
 
 
+# --- workloads.svg --------------------------------------------------------------------------
+
+# (label, results file, workload): the bars of workloads.svg, top to bottom
+WORKLOAD_BARS = [("nano-vllm 的负载", "2026-12-03-h200-ch21_workloads-a16fbae.json", None),
+                 ("共享前缀", "2026-12-03-h200-ch21_workloads-2dc152d.json", "prefix"),
+                 ("长提示词", "2026-12-03-h200-ch21_workloads-2dc152d.json", "long"),
+                 ("1,024 个短请求", "2026-12-03-h200-ch21_workloads-2dc152d.json", "short"),
+                 ("混合", "2026-12-03-h200-ch21_workloads-2dc152d.json", "mixed")]
+
+
+def round_ratios(path: Path, workload: str | None) -> list[float]:
+    """ours / official output tok/s in each round of one workload (the same draw for both)."""
+    rows = [r for r in json.loads((RESULTS / path).read_text())["rows"]
+            if r.get("workload") == workload]
+    by = {r["config"].split(":")[0]: r["tok_s_all"] for r in rows}
+    return [a / b for a, b in zip(by["ours"], by["official"])]
+
+
+def workloads(path: Path) -> None:
+    """bench_offline.py's workloads: ours / the official per workload, the median of the rounds
+    as a bar, each round as a dot; lines at 1 (even) and 1.05 (the goal)."""
+    height = 0.55 * len(WORKLOAD_BARS) + 1.4
+    fig, ax = plt.subplots(figsize=(WIDTH, height))
+    for i, (_, source, workload) in enumerate(WORKLOAD_BARS):
+        ratios = sorted(round_ratios(Path(source), workload))
+        mid = ratios[len(ratios) // 2]
+        y = len(WORKLOAD_BARS) - 1 - i
+        ax.barh(y, mid, color=SERIES[0] if mid >= 1 else SERIES[1], height=0.6)
+        ax.plot(ratios, [y] * len(ratios), "o", color="#333333", ms=3.5)
+        ax.text(max(max(ratios), 1.05) + 0.02, y, f"{mid:.2f}（{ratios[0]:.2f}–{ratios[-1]:.2f}）",
+                va="center", fontsize=9)
+    ax.axvline(1.0, color="#333333", lw=1)
+    ax.axvline(1.05, color="#333333", lw=1, ls="--")
+    ax.set_yticks(range(len(WORKLOAD_BARS)), [b[0] for b in reversed(WORKLOAD_BARS)])
+    ax.set_xlim(0.6, 1.75)
+    ax.grid(axis="x", color="#dddddd", lw=0.8)
+    ax.set_axisbelow(True)
+    fig.suptitle("离线：ours / 官方的输出 tok/s，每种负载轮流 3 轮 · 2026-12-03", x=0.01,
+                 ha="left")
+    caption(fig, "NVIDIA H200；条是各轮比值的中位数，点是每一轮；实线 1（持平），虚线 1.05（目标）")
+    fig.subplots_adjust(left=1.6 / WIDTH, right=1 - 0.2 / WIDTH, top=1 - 0.6 / height,
+                        bottom=0.75 / height)
+    save(fig, path)
+
+
 # --- step.svg -------------------------------------------------------------------------------
 
 def category(kernel: str) -> str:
@@ -368,7 +415,7 @@ def draw(out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     figures: list[tuple[str, Callable[[Path], None]]] = [
         ("throughput.svg", throughput), ("latency.svg", lambda p: latency(p, SERVING)),
-        ("online.svg", online), ("step.svg", step)]
+        ("online.svg", online), ("workloads.svg", workloads), ("step.svg", step)]
     for name, fn in figures:
         fn(out / name)
     return [out / name for name, _ in figures]
