@@ -55,8 +55,8 @@ class Req:
     - `max_device_len`: prompt + output budget, the most this request will ever hold.
 
     Its tokens live in a host buffer with room for the ones to come: appending a sampled
-    token is one store, and `input_ids` is a view of the filled part (chapter 21 measured a
-    new tensor per token, and a tensor's len(), as a step's largest host costs at batch 256).
+    token is one store, and `input_ids` is a view of the filled part (a new tensor per token,
+    and a tensor's len(), were a step's largest host costs at batch 256).
     """
 
     def __init__(self, input_ids: torch.Tensor, table_idx: int, cached_len: int, output_len: int,

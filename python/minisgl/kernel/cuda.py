@@ -93,7 +93,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernels compute in (k
 
 # The current stream's raw handle in one call: the function torch's own compiler emits.
 # torch.cuda.current_stream() builds a Stream object and resolves the device first, which
-# cost more than the launch itself in a prefill of some 200 of our launches (chapter 21).
+# cost more than the launch itself, some 200 times in one prefill.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 

@@ -148,7 +148,7 @@ class PrefillManager:
         twice would be waste: better wait one step and find it in the cache (chapter 9). Only
         a request with our salt counts: we would never find another salt's prefix there. Only
         the batch's requests that begin as we do are compared (a dict lookup, where comparing
-        against all of them cost O(batch^2) token comparisons per step, chapter 21)."""
+        against all of them cost O(batch^2) token comparisons per prefill)."""
         if not heads or not self.cache_manager.prefix_cache.reuses_prefixes:
             return False
         ids = pending.input_ids[:-1]
