@@ -215,12 +215,13 @@ class MinisglWorker:
         return {"seconds": times[new_tokens], "output_tokens": new_tokens,
                 "step_ms_p50": (times[new_tokens] - times[1]) / (new_tokens - 1) * 1e3}
 
-    def host_profile(self) -> dict[str, Any]:
+    def host_profile(self, repeat: int = 15) -> dict[str, Any]:
         """Where the host's time goes in two shapes, each on fresh prompts (no cache hit): one
         600-token prompt and its first token (a prefill step), and 256 prompts of 64 tokens with
-        64 tokens each (decode steps at batch 256). Per shape: the wall time alone, the torch
-        operators by host (self) time under torch.profiler, and the Python functions by own time
-        under cProfile (which slows Python calls, so read its shares, not its times)."""
+        64 tokens each (decode steps at batch 256). Per shape: the wall time alone (the prefill's
+        `repeat` times: median and all), the torch operators by host (self) time under
+        torch.profiler, and the Python functions by own time under cProfile (which slows Python
+        calls, so read its shares, not its times)."""
         import cProfile
         import io
         import pstats
@@ -236,11 +237,15 @@ class MinisglWorker:
         for name, n, length, k in (("prefill", 1, 600, 1), ("decode", 256, 64, 64)):
             params = self.sp(temperature=0.6, max_tokens=k, ignore_eos=True)
             self.llm.generate(draw(n, length), params)  # warm-up of this shape
-            _sync()
-            start = time.perf_counter()
-            self.llm.generate(draw(n, length), params)
-            _sync()
-            row: dict[str, Any] = {"wall_ms": (time.perf_counter() - start) * 1e3}
+            walls = []
+            for _ in range(repeat if n == 1 else 1):  # one prefill is short: sample it often
+                _sync()
+                start = time.perf_counter()
+                self.llm.generate(draw(n, length), params)
+                _sync()
+                walls.append((time.perf_counter() - start) * 1e3)
+            row: dict[str, Any] = {"wall_ms": statistics.median(walls),
+                                   "wall_ms_all": [round(w, 2) for w in walls]}
             cpu, gpu = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
             with torch.profiler.profile(activities=[cpu, gpu]) as prof:
                 self.llm.generate(draw(n, length), params)
@@ -537,7 +542,8 @@ def main() -> None:
                 for name, ms, calls in prof["kernels"]:
                     print(f"  {ms:9.2f} ms {calls:6d} calls  {name}")
             for shape, prof in row.get("host_profile", {}).items():
-                print(f"host profile {row['config']} {shape}: wall {prof['wall_ms']:.1f} ms, "
+                print(f"host profile {row['config']} {shape}: wall {prof['wall_ms']:.1f} ms "
+                      f"(median of {len(prof.get('wall_ms_all', [0]))}), "
                       f"{prof['launches']} kernel launches; torch ops by host time:")
                 for name, ms, calls in prof["ops"]:
                     print(f"  {ms:9.2f} ms {calls:6d} calls  {name}")
