@@ -88,8 +88,8 @@ def offline_bench() -> None:
                         "ours:torch:eager:off", "--group", "hf", "--json", str(out)],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         result = json.loads(out.read_text())
-    print(f"offline, {result['workload']['requests']} requests, {result['workload']['asked']} "
-          "output tokens asked:")
+    asked = result["workload"]["asked"]["nano"]
+    print(f"offline, {result['workload']['requests']} requests, {asked} output tokens asked:")
     for row in result["rows"]:
         step = row["step_ms_p50"]
         print(f"  {row['config']:<22} {row['output_tokens']} tokens in {row['seconds']:.2f} s, "
