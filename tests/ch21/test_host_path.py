@@ -52,3 +52,37 @@ def test_deferral_compares_only_prompts_that_begin_alike(
     llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
     assert 0 < len(calls) <= 6
     assert llm.stats.cached_tokens >= 3 * 40
+
+
+def test_host_lists_reach_the_device_without_a_blocking_copy(
+        make_llm: Callable, model_dir: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy from pageable host memory to a GPU synchronizes the stream: with overlap the host
+    would wait for the batch in flight. So every host list the loop sends to the device (the
+    sampler's temperatures, the LM head's last-token indices, the scheduler's indices) goes
+    through a pinned, non-blocking copy. On the CPU the copies are no-ops, but the calls that
+    would make them are the same: none may ask for a blocking copy to a device, and none may
+    build a tensor on a device from a Python list."""
+    llm = make_llm(model_dir("tiny-qwen3"), overlap=True)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 23, 40)]
+    sampled = SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts, sampled)  # first use: one-time moves (the RoPE table) happen here
+    blocking: list[str] = []
+    real_to, real_tensor = torch.Tensor.to, torch.tensor
+
+    def to(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        device = next((a for a in args if isinstance(a, torch.device)), kwargs.get("device"))
+        if isinstance(device, torch.device) and not kwargs.get("non_blocking", False):
+            blocking.append(f"Tensor.to({device})")
+        return real_to(self, *args, **kwargs)
+
+    def tensor(*args: object, **kwargs: object) -> torch.Tensor:
+        if kwargs.get("device") is not None:
+            blocking.append(f"torch.tensor(device={kwargs['device']})")
+        return real_tensor(*args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch, "tensor", tensor)
+    llm.generate([[rng.randrange(3, 500) for _ in range(n)] for n in (12, 30)], sampled)
+    monkeypatch.undo()
+    assert blocking == []

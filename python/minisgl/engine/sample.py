@@ -10,6 +10,7 @@ import torch
 
 from minisgl import kernel
 from minisgl.kernel import cuda
+from minisgl.utils.device import to_device
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
@@ -67,11 +68,11 @@ class Sampler:
         ks = [min(p.top_k, self.vocab_size) if p.top_k >= 1 else self.vocab_size
               for p in params]  # k at or above the vocabulary: no cut
         ps = [min(max(p.top_p, MIN_TOP_P), 1.0) for p in params]
-        args = BatchSamplingArgs(torch.tensor(temps, dtype=torch.float32, device=self.device))
+        args = BatchSamplingArgs(to_device(temps, torch.float32, self.device))
         if any(k < self.vocab_size for k in ks):
-            args.top_k = torch.tensor(ks, dtype=torch.int64, device=self.device)
+            args.top_k = to_device(ks, torch.int64, self.device)
         if any(p < 1.0 for p in ps):
-            args.top_p = torch.tensor(ps, dtype=torch.float32, device=self.device)
+            args.top_p = to_device(ps, torch.float32, self.device)
         return args
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 
@@ -9,6 +11,7 @@ from minisgl.core import get_global_ctx
 from minisgl.distributed import all_gather, all_reduce, get_tp_info
 from minisgl.distributed.shard import vocab_rows
 from minisgl.kernel import embedding
+from minisgl.utils.device import to_device
 
 from .base import BaseOP
 
@@ -41,8 +44,8 @@ class ParallelLMHead(BaseOP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = get_global_ctx().batch
         if batch.is_prefill:  # only each request's last position predicts a token
-            ends = torch.tensor([r.extend_len for r in batch.reqs]).cumsum(0) - 1
-            x = x[ends.to(x.device)]
+            ends = list(accumulate(r.extend_len for r in batch.reqs))
+            x = x[to_device([e - 1 for e in ends], torch.int64, x.device)]
         weight = self._tied.weight if self._tied is not None else self.weight
         logits = F.linear(x, weight)
         if get_tp_info().size == 1:

@@ -18,10 +18,10 @@ from minisgl.engine import BatchSamplingArgs, Engine, ForwardOutput
 from minisgl.utils.device import (
     create_event,
     create_stream,
-    pin_memory,
     set_current_stream,
     stream_context,
     synchronize,
+    to_device,
 )
 
 from .cache import CacheManager, table_cells
@@ -216,7 +216,6 @@ class Scheduler:
                      " ".join(f"{r.uid}+{r.extend_len}" for r in batch.reqs))
         self.engine.graph_runner.pad(batch)  # dummies up to a captured size (chapter 18)
         self.cache_manager.allocate_paged(batch.reqs)
-        pin = pin_memory(self.device)
         load = table_cells([(r.table_idx, r.cached_len, r.extend_len) for r in batch.padded_reqs],
                            self.device)  # the page-table cells of this batch's positions
         batch.positions = load[1].to(torch.int32)
@@ -225,8 +224,8 @@ class Scheduler:
         # (no decode follows: a prompt chunk, chapter 10) goes to a scratch column, the last
         write = ([r.table_idx for r in batch.reqs],
                  [r.device_len if r.can_decode else -1 for r in batch.reqs])
-        write_indices = (_to_device(write[0], pin, self.device),
-                         _to_device(write[1], pin, self.device))
+        write_indices = (to_device(write[0], torch.int64, self.device),
+                         to_device(write[1], torch.int64, self.device))
         self.engine.attn_backend.prepare_metadata(batch)
         return ForwardInput(batch, self.engine.sampler.prepare(batch), load, write_indices)
 
@@ -288,7 +287,3 @@ def _finish_reason(req: Req, token: int, eos_token_id: int) -> str | None:
         return "stop"
     return "length" if req.host_len >= req.max_device_len else None
 
-
-def _to_device(values: list[int], pin: bool, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.int64, pin_memory=pin)
-    return host.to(device, non_blocking=True)

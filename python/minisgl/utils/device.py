@@ -58,6 +58,16 @@ def pin_memory(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def to_device(values: list[int] | list[float], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without waiting for it: staged in pinned memory and copied
+    asynchronously on the current stream. torch.tensor(values, device=...) or a plain .to()
+    copies from pageable memory, and such a copy synchronizes the stream: the host would wait
+    for everything queued before it."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=pin_memory(device))
+    return host.to(device, non_blocking=True)
+
+
 def physical_cores() -> int:
     """Distinct (physical id, core id) pairs in /proc/cpuinfo; os.cpu_count() elsewhere."""
     try:
