@@ -121,7 +121,7 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
                       max_running_req=1024)
     config.update(max_extend_tokens=16384, page_size=1)
     if _cuda():
-        config["num_page_override"] = min(pool, POOL_CAP * 2)
+        config["num_page_override"] = pool
     return config
 
 
