@@ -216,12 +216,14 @@ class MinisglWorker:
                 "step_ms_p50": (times[new_tokens] - times[1]) / (new_tokens - 1) * 1e3}
 
     def host_profile(self, repeat: int = 15) -> dict[str, Any]:
-        """Where the host's time goes in two shapes, each on fresh prompts (no cache hit): one
-        600-token prompt and its first token (a prefill step), and 256 prompts of 64 tokens with
-        64 tokens each (decode steps at batch 256). Per shape: the wall time alone (the prefill's
-        `repeat` times: median and all), the torch operators by host (self) time under
-        torch.profiler, and the Python functions by own time under cProfile (which slows Python
-        calls, so read its shares, not its times)."""
+        """Where the time goes in three shapes, each on fresh prompts (no cache hit): one
+        600-token prompt and its first token (a prefill step), 256 prompts of 64 tokens with
+        64 tokens each (decode steps at batch 256), and, where the context allows, two prompts
+        of 8,000 tokens and their first tokens (one long prefill step, GPU-bound). Per shape:
+        the wall time alone (a short run's `repeat` times: median and all), the torch operators
+        by host (self) time and the GPU kernels by device time under torch.profiler, and the
+        Python functions by own time under cProfile (which slows Python calls, so read its
+        shares, not its times)."""
         import cProfile
         import io
         import pstats
@@ -234,11 +236,13 @@ class MinisglWorker:
             return [[rng.randint(0, self.args.max_id) for _ in range(length)] for _ in range(n)]
 
         out: dict[str, Any] = {}
-        for name, n, length, k in (("prefill", 1, 600, 1), ("decode", 256, 64, 64)):
+        shapes = [("prefill", 1, 600, 1), ("decode", 256, 64, 64), ("long", 2, 8000, 1)]
+        room = engine_config(self.args).get("max_seq_len_override", 0)
+        for name, n, length, k in (s for s in shapes if s[2] < room):
             params = self.sp(temperature=0.6, max_tokens=k, ignore_eos=True)
             self.llm.generate(draw(n, length), params)  # warm-up of this shape
             walls = []
-            for _ in range(repeat if n == 1 else 1):  # one prefill is short: sample it often
+            for _ in range(repeat if k == 1 else 1):  # a prefill is short: sample it often
                 _sync()
                 start = time.perf_counter()
                 self.llm.generate(draw(n, length), params)
@@ -253,6 +257,11 @@ class MinisglWorker:
             events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
             row["launches"] = sum(e.count for e in events if "LaunchKernel" in e.key)
             row["ops"] = [[e.key[:70], e.self_cpu_time_total / 1e3, e.count] for e in events[:25]]
+            kernels = sorted((e for e in prof.key_averages() if e.device_time_total > 0),
+                             key=lambda e: -e.device_time_total)
+            row["gpu_busy_ms"] = sum(e.device_time_total for e in kernels) / 1e3
+            row["kernels"] = [[e.key[:90], e.device_time_total / 1e3, e.count]
+                              for e in kernels[:15]]
             profiler = cProfile.Profile()
             profiler.enable()
             self.llm.generate(draw(n, length), params)
@@ -508,7 +517,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also profile 50 decode steps mid-run (GPU busy vs wall, kernels)")
     parser.add_argument("--host-profile", action="store_true",
-                        help="also profile the host: a 600-token prefill, 64 decode steps at 256")
+                        help="also profile a 600-token and a 16k prefill, 64 steps at 256")
     parser.add_argument("--workload", nargs="+", default=["nano"], choices=["nano", *WORKLOADS],
                         help="nano-vllm's (--requests, --input-len, --output-len), alone, or "
                         "any of ours, run one after another by the same engines")
@@ -547,6 +556,10 @@ def main() -> None:
                       f"{prof['launches']} kernel launches; torch ops by host time:")
                 for name, ms, calls in prof["ops"]:
                     print(f"  {ms:9.2f} ms {calls:6d} calls  {name}")
+                if kernels := prof.get("kernels"):
+                    print(f"  GPU kernels by device time (busy {prof['gpu_busy_ms']:.1f} ms):")
+                    for name, ms, calls in kernels:
+                        print(f"  {ms:9.2f} ms {calls:6d} calls  {name}")
                 print(prof["cprofile"])
         if line := ratios(new):
             print(line, flush=True)

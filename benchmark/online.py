@@ -88,6 +88,7 @@ def gpu_pids() -> set[int]:
 
 
 def start(engine: Engine, model: str, server_args: list[str], out: Path, trace: bool) -> None:
+    """Launch the server; `wait_ready` waits for it (servers start side by side)."""
     env = dict(os.environ, PYTHONPATH=f"{engine.package}:{os.environ.get('PYTHONPATH', '')}",
                PYTHONUNBUFFERED="1")
     if trace:
@@ -96,9 +97,15 @@ def start(engine: Engine, model: str, server_args: list[str], out: Path, trace: 
     engine.log = out / f"server-{engine.name}.log"
     cmd = [sys.executable, "-m", "minisgl", "--model", model, "--port", str(engine.port),
            *server_args]
-    t0 = time.perf_counter()
+    engine.started_s = time.perf_counter()  # the launch time until wait_ready
     engine.proc = subprocess.Popen(cmd, env=env, stdout=engine.log.open("wb"),
                                    stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(engine: Engine) -> None:
+    """Until the server answers a chat request; started_s becomes the seconds that took."""
+    assert engine.proc is not None and engine.log is not None
+    t0 = engine.started_s
     target = bench.Target(port=engine.port, backend="chat", timeout=60)
     while not (r := bench.one_request(target, "hi", 4)).ok:
         if engine.proc.poll() is not None or time.perf_counter() - t0 > 900:
@@ -332,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for e in engines:
             start(e, a.model, a.server_args.split(), a.out, a.trace)
+        for e in engines:
+            wait_ready(e)
         for rnd in range(a.rounds):
             order = engines[rnd % len(engines):] + engines[: rnd % len(engines)]
             if a.deadline and time.perf_counter() - began > a.deadline:
