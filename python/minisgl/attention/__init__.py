@@ -39,15 +39,20 @@ def _create_flash_attention(config: ModelConfig) -> BaseAttnBackend:
     return FlashAttentionBackend(config)
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`auto` picks by GPU generation and by what is installed, and says so in one log line:
-    Hopper (sm90) with sgl-kernel and FlashInfer -> `fa,fi`; a GPU with FlashInfer -> `fi`;
-    the CPU, or a GPU without FlashInfer -> `torch`. Any other name is checked here: a typo
-    fails with the list of names (when the engine starts; chapter 18 checks before the weights
-    load)."""
+GPU_ONLY = ("fi", "fa")  # FlashInfer and FlashAttention: half-precision kernels only
+
+
+def resolve_backend_name(name: str, device: torch.device,
+                         dtype: torch.dtype | None = None) -> str:
+    """`auto` picks by GPU generation, by what is installed and by the model's dtype, and says
+    so in one log line: Hopper (sm90) with sgl-kernel and FlashInfer -> `fa,fi`; a GPU with
+    FlashInfer -> `fi`; the CPU, a GPU without FlashInfer, or a float32 model -> `torch`. Any
+    other name is checked here, when the engine starts: a typo fails with the list of names, a
+    GPU backend asked to run a float32 model on a GPU with the remedy (on the CPU, the fakes
+    that stand in for them compute in float32)."""
     if name == "auto":
-        name, why = _auto(device)
-        slow = device.type == "cuda" and name == "torch"  # a GPU left without its kernels
+        name, why = _auto(device, dtype)
+        slow = device.type == "cuda" and name == "torch" and dtype != torch.float32
         logger.log(logging.WARNING if slow else logging.INFO, "attention: --attn auto -> %s (%s)",
                    name, why)
         return name
@@ -56,12 +61,18 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
         raise ValueError(f"--attn {name!r}: one backend, or PREFILL,DECODE (two names)")
     for part in parts:
         BACKENDS[part]  # noqa: B018 (raises KeyError naming the choices)
+    if device.type == "cuda" and dtype == torch.float32 and any(p in GPU_ONLY for p in parts):
+        raise ValueError(f"--attn {name!r}: FlashInfer and FlashAttention have no float32 "
+                         "kernels; use --attn torch (or auto) for a float32 model, or load it "
+                         "in bfloat16")
     return name
 
 
-def _auto(device: torch.device) -> tuple[str, str]:
+def _auto(device: torch.device, dtype: torch.dtype | None) -> tuple[str, str]:
     if device.type != "cuda":
         return "torch", f"no GPU kernels on {device.type}"
+    if dtype == torch.float32:
+        return "torch", "float32: FlashInfer and FlashAttention have no float32 kernels"
     if importlib.util.find_spec("flashinfer") is None:
         return "torch", "flashinfer is not installed: pip install flashinfer-python==0.5.3"
     major, minor = torch.cuda.get_device_capability(device)

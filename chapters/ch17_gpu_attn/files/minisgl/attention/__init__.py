@@ -1,0 +1,84 @@
+"""Attention backends by name: `torch` (chapter 5), `fi`, `fa` and PREFILL,DECODE pairs
+(chapter 17)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable
+
+import torch
+
+from minisgl.models import ModelConfig
+from minisgl.utils.registry import Registry
+
+from .base import BaseAttnBackend, BaseAttnMetadata
+
+logger = logging.getLogger(__name__)
+BACKENDS: Registry[Callable[[ModelConfig], BaseAttnBackend]] = Registry("attention backend")
+
+
+@BACKENDS.register("torch")
+def _create_torch(config: ModelConfig) -> BaseAttnBackend:
+    from .torch_backend import TorchBackend
+
+    return TorchBackend(config)
+
+
+@BACKENDS.register("fi")
+def _create_flashinfer(config: ModelConfig) -> BaseAttnBackend:
+    from .fi import FlashInferBackend
+
+    return FlashInferBackend(config)
+
+
+@BACKENDS.register("fa")
+def _create_flash_attention(config: ModelConfig) -> BaseAttnBackend:
+    from .fa import FlashAttentionBackend
+
+    return FlashAttentionBackend(config)
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """`auto` picks by GPU generation and by what is installed, and says so in one log line:
+    Hopper (sm90) with sgl-kernel and FlashInfer -> `fa,fi`; a GPU with FlashInfer -> `fi`;
+    the CPU, or a GPU without FlashInfer -> `torch`. Any other name is checked here: a typo
+    fails with the list of names (when the engine starts; chapter 18 checks before the weights
+    load)."""
+    if name == "auto":
+        name, why = _auto(device)
+        slow = device.type == "cuda" and name == "torch"  # a GPU left without its kernels
+        logger.log(logging.WARNING if slow else logging.INFO, "attention: --attn auto -> %s (%s)",
+                   name, why)
+        return name
+    parts = name.split(",")
+    if len(parts) > 2:
+        raise ValueError(f"--attn {name!r}: one backend, or PREFILL,DECODE (two names)")
+    for part in parts:
+        BACKENDS[part]  # noqa: B018 (raises KeyError naming the choices)
+    return name
+
+
+def _auto(device: torch.device) -> tuple[str, str]:
+    if device.type != "cuda":
+        return "torch", f"no GPU kernels on {device.type}"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "torch", "flashinfer is not installed: pip install flashinfer-python==0.5.3"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9 and importlib.util.find_spec("sgl_kernel") is not None:
+        return "fa,fi", "Hopper: FlashAttention 3 prefill, FlashInfer decode"
+    return "fi", f"sm{major}{minor}" + ("" if major != 9 else ", sgl-kernel not installed")
+
+
+def create_attention_backend(name: str, config: ModelConfig) -> BaseAttnBackend:
+    """One backend, or a HybridBackend for `PREFILL,DECODE` (chapter 17)."""
+    prefill, _, decode = name.partition(",")
+    if not decode or decode == prefill:
+        return BACKENDS[prefill](config)
+    from .hybrid import HybridBackend
+
+    return HybridBackend(BACKENDS[prefill](config), BACKENDS[decode](config))
+
+
+__all__ = ["BACKENDS", "BaseAttnBackend", "BaseAttnMetadata", "create_attention_backend",
+           "resolve_backend_name"]
