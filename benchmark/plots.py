@@ -259,16 +259,18 @@ def workload_note(report: dict[str, Any]) -> str:
 
 # --- online.svg -----------------------------------------------------------------------------
 
-ONLINE = "2026-12-03-h200-ch21_online.json"
+# two calls on the same code, each a fresh machine with both servers started once
+ONLINE = ["2026-12-03-h200-ch21_online-a611ebc.json", "2026-12-03-h200-ch21_online2-a611ebc.json"]
 ONLINE_PANELS = [("输出 tok/s", "out_tok_s"), ("TTFT p50（毫秒）", "ttft_ms_p50"),
                  ("token 间隔 p99（毫秒）", "itl_ms_p99")]
 
 
 def online(path: Path) -> None:
-    """benchmark/online.py's sweep: each metric per load, one line per engine at the median of
-    the rounds, a bar from the smallest to the largest round."""
-    result = json.loads((RESULTS / ONLINE).read_text())
-    rows = result["rows"]
+    """benchmark/online.py's sweeps: each metric per load, one line per engine at the median of
+    the rounds of every call, a bar from the smallest to the largest round."""
+    results = [json.loads((RESULTS / name).read_text()) for name in ONLINE]
+    result = results[0]
+    rows = [r for res in results for r in res["rows"]]
     loads = list(dict.fromkeys(r["load"] for r in rows))
     engines = list(result["engines"])
     closed = [i for i, ld in enumerate(loads) if ld.startswith("c=")]
@@ -296,8 +298,9 @@ def online(path: Path) -> None:
                         for k, e in enumerate(engines)],
                loc="upper right", ncol=len(engines), frameon=False,
                bbox_to_anchor=(1, 1 - 0.4 / height))
-    rounds = 1 + max(r["round"] for r in rows)
-    fig.suptitle(f"在线服务：并排、轮流 {rounds} 轮 · {result['date']}", x=0.01, ha="left")
+    rounds = sum(1 + max(r["round"] for r in res["rows"]) for res in results)
+    fig.suptitle(f"在线服务：并排、轮流，{len(results)} 次调用共 {rounds} 轮 · {result['date']}",
+                 x=0.01, ha="left")
     caption(fig, f"{result['machine']}；横轴：同时在途的请求数，或泊松到达率（/s）；"
                  "点是各轮的中位数，竖线是最小到最大")
     fig.subplots_adjust(left=0.8 / WIDTH, right=1 - 0.2 / WIDTH, top=1 - 1.0 / height,
@@ -313,6 +316,7 @@ WORKLOAD_BARS = [("nano-vllm 的负载", "2026-12-03-h200-ch21_workloads-a16fbae
                  ("共享前缀，推迟规则修正后", "2026-12-03-h200-ch21_workloads-72afc48.json",
                   "prefix"),
                  ("长提示词", "2026-12-03-h200-ch21_workloads-2dc152d.json", "long"),
+                 ("长提示词，主机修正后", "2026-12-03-h200-ch21_long-a611ebc.json", "long"),
                  ("1,024 个短请求", "2026-12-03-h200-ch21_workloads-2dc152d.json", "short"),
                  ("混合", "2026-12-03-h200-ch21_workloads-2dc152d.json", "mixed")]
 
@@ -344,9 +348,9 @@ def workloads(path: Path) -> None:
     ax.set_xlim(0.6, 1.75)
     ax.grid(axis="x", color="#dddddd", lw=0.8)
     ax.set_axisbelow(True)
-    fig.suptitle("离线：ours / 官方的输出 tok/s，每种负载轮流 3 轮 · 2026-12-03", x=0.01,
+    fig.suptitle("离线：ours / 官方的输出 tok/s，每种负载轮流 2～3 轮 · 2026-12-03", x=0.01,
                  ha="left")
-    caption(fig, "NVIDIA H200，三次调用（代码见正文）；条是各轮比值的中位数，点是每一轮；"
+    caption(fig, "NVIDIA H200，四次调用（代码见正文）；条是各轮比值的中位数，点是每一轮；"
                  "实线 1（持平），虚线 1.05（目标）")
     fig.subplots_adjust(left=2.0 / WIDTH, right=1 - 0.2 / WIDTH, top=1 - 0.6 / height,
                         bottom=0.75 / height)
