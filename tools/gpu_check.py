@@ -922,7 +922,9 @@ def _moe_generate(device: str, model: Path | None) -> list[str]:
     """(c): the model generating 4 prompts with each backend, greedy; on the GPU in bfloat16
     with CUDA graphs for triton (torch turns them off), both against the torch backend in
     float32, the reference (a bf16 run against a bf16 run compounds two errors); on the CPU
-    triton against torch in float32. Logits compared while the tokens agree."""
+    triton against torch in float32. Logits compared while the tokens agree. On the GPU the
+    torch backend's bfloat16 error is the bar (bfloat16 alone costs that much over a few random
+    layers): triton passes within 25% of it, or within BF16_TOL."""
     cuda = device == "cuda"
     if model is None:
         model = ROOT / "models" / "tiny-qwen3-moe"
@@ -952,14 +954,20 @@ def _moe_generate(device: str, model: Path | None) -> list[str]:
         llm.shutdown()
     ref, ref_logits, t_ref, _ = runs["torch", torch.float32]
     lines = []
+    baseline = None  # the torch backend's own bfloat16 error: what bfloat16 costs by itself
     for (backend, dt), (got, logits, t_got, sizes) in runs.items():
         if dt == torch.float32 and backend == "torch":
             continue
         errs = relative_errors(got, ref, logits, ref_logits)
         same = sum(a == b for a, b in zip(got, ref))
-        limit = BF16_TOL if dt == torch.bfloat16 else 1e-5
-        ok = max(errs) <= limit and (same == len(prompts) or dt == torch.bfloat16)
-        lines.append(f"{'ok  ' if ok else 'FAIL'} moe generate {model.name}: {backend} "
+        if dt == torch.float32:
+            limit, verdict = 1e-5, "ok  " if max(errs) <= 1e-5 and same == len(prompts) else "FAIL"
+        elif backend == "torch":  # the reference in bfloat16: it sets the bar, it is not judged
+            baseline, limit, verdict = max(errs), max(errs), "info"
+        else:  # triton may round differently, not worse: within 25% of torch's bfloat16 error
+            limit = BF16_TOL if baseline is None else max(BF16_TOL, 1.25 * baseline)
+            verdict = "ok  " if max(errs) <= limit else "FAIL"
+        lines.append(f"{verdict} moe generate {model.name}: {backend} "
                      f"{str(dt)[6:]} (graphs {sizes or 'off'}) vs torch float32: {same}/"
                      f"{len(prompts)} requests give all {params.max_tokens} tokens alike; "
                      f"relative logits error max {max(errs):.1e} over {len(errs)} steps "
