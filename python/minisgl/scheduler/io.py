@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 from multiprocessing.connection import Connection
 
 import torch
@@ -21,6 +20,7 @@ from minisgl.message import (
     UserMsg,
 )
 from minisgl.utils.mp import ZmqPubQueue, ZmqPullQueue, ZmqPushQueue, ZmqSubQueue
+from minisgl.utils.signals import exit_on_sigterm
 
 from .config import SchedulerConfig
 from .scheduler import Scheduler
@@ -164,7 +164,7 @@ def scheduler_worker(config: SchedulerConfig, inbox: str, outbox: str,
                      ready: Connection | None = None, fanout: str = "") -> None:
     """The scheduler process's main (one per tensor-parallel rank): serve until an ExitMsg or
     SIGTERM."""
-    signal.signal(signal.SIGTERM, _exit)
+    exit_on_sigterm()  # unwinds run_forever: the finally clause shuts the engine down
     scheduler = ServerScheduler(config, inbox, outbox, fanout)
     if ready is not None:
         ready.send("scheduler")
@@ -174,7 +174,3 @@ def scheduler_worker(config: SchedulerConfig, inbox: str, outbox: str,
         logger.info("scheduler: exit requested")
     finally:
         scheduler.shutdown()
-
-
-def _exit(signum: int, frame: object) -> None:
-    raise SystemExit(0)  # unwinds run_forever: the finally clause shuts the engine down

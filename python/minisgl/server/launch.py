@@ -24,6 +24,7 @@ from minisgl.distributed import DistributedInfo
 from minisgl.scheduler.io import scheduler_worker
 from minisgl.tokenizer import tokenizer_worker
 from minisgl.utils.mp import IpcNamespace
+from minisgl.utils.signals import exit_on_sigterm
 
 from .api_server import create_app
 from .args import ServerArgs, parse_args
@@ -212,7 +213,8 @@ async def serve(args: ServerArgs, addr: Addresses, children: list[Child]) -> int
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    signal.signal(signal.SIGTERM, _exit)  # uvicorn takes it over while it serves, then re-raises
+    exit_on_sigterm()  # unwinds main(), whose finally stops the children; uvicorn takes
+    # SIGTERM over while it serves, then re-raises it
     ns = IpcNamespace()
     children: list[Child] = []
     try:
@@ -227,7 +229,3 @@ def main(argv: list[str] | None = None) -> int:
         stop_children(children)
         ns.remove()
         logger.info("stopped")
-
-
-def _exit(signum: int, frame: object) -> None:
-    raise SystemExit(0)  # unwinds main(): the finally clause stops the children

@@ -3,7 +3,6 @@ the API server; one process does both unless --num-tokenizer asks for workers (c
 
 from __future__ import annotations
 
-import signal
 from collections import defaultdict
 from contextlib import ExitStack
 from multiprocessing.connection import Connection
@@ -26,6 +25,7 @@ from minisgl.message import (
     UserReply,
 )
 from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
+from minisgl.utils.signals import exit_on_sigterm
 
 from .detokenize import DetokenizeManager
 from .tokenize import TokenizeManager
@@ -95,7 +95,7 @@ def tokenizer_worker(model_path: str, inbox: str, bind_inbox: bool, backend: str
     """The process's main: serve until SIGTERM. `detokenizer` is the detokenizer's address
     for a worker, None for the process that detokenizes (the only one by default);
     `has_workers` tells that process that setups come from workers."""
-    signal.signal(signal.SIGTERM, _exit)
+    exit_on_sigterm()  # unwinds the with statement: the sockets are closed
     server = TokenizerServer(model_path, forward_setups=detokenizer is not None,
                              setups_from_workers=has_workers)
     with ExitStack() as sockets:  # closed however the loop ends
@@ -132,7 +132,3 @@ def _unbatch(msg: TokenizerMsg | None) -> list[TokenizeMsg | DetokenizeMsg | Det
     if msg is None:
         return []
     return list(msg.data) if isinstance(msg, BatchTokenizerMsg) else [msg]
-
-
-def _exit(signum: int, frame: object) -> None:
-    raise SystemExit(0)  # unwinds the with statement: the sockets are closed
