@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Chapter 21's GPU runs, as they were run on an H200: bash benchmark/h200.sh PART OUT
-#   PART: sampler, kernels, offline, workloads, profile, ablate, hf, moe, online, serve, serve1, tp2 (see below)
+#   PART: sampler, kernels, offline, workloads, profile, ablate, hf, moe, online, launch, serve,
+#         serve1, tp2 (see below)
 #   OUT:  a folder for the results (JSON + the printed text)
 # Needs: flashinfer-python 0.5.3 and the server's packages importable (the wheels went to a
 # folder on PYTHONPATH); Q06: the random Qwen3-0.6B shape, made if missing; OFFICIAL: the
@@ -91,6 +92,11 @@ online)  # both servers side by side, rounds in turns: 1/16/64/256 in flight, tw
         --rounds 3 --concurrency 1 16 64 256 --rates 16 32 --prompts-per-slot 2 --rate-seconds 6 \
         --trace --deadline "${DEADLINE:-0}" \
         --out "$OUT/online" 2>&1 | quiet | tee "$OUT/ch21_online.txt"
+    ;;
+launch)  # where ours's prefill launch spends its host time under load (a diagnostic, not timed)
+    python benchmark/online.py --model "$Q06" --engine ours=$PWD/python --engine official=$OFFICIAL \
+        --rounds 1 --concurrency 1 64 --rates 16 --prompts-per-slot 2 --rate-seconds 6 --trace \
+        --launch-profile 40 --profile 64 --out "$OUT/launch" 2>&1 | quiet | tee "$OUT/ch21_launch.txt"
     ;;
 serve)  # both servers under Poisson arrivals at 8 requests/s, then all 64 at once
     for e in ours:$PWD/python official:$OFFICIAL; do

@@ -18,6 +18,9 @@ process (native frames too) for `--profile-seconds`, and summarizes where each w
 `online.py --print RUN.json` prints a saved run's report again.
 `--trace` starts the servers with MINISGL_STEP_TRACE (ours only: per-step timings of the
 scheduler loop) and summarizes each run's steps; leave it off for the timed sweep.
+`--launch-profile N` starts ours with MINISGL_LAUNCH_PROFILE: the operators inside its first N
+prefill launches under the load, ranked by host time (a diagnostic: the profiler slows the
+steps it covers, so the numbers of those rounds are not for comparison).
 """
 
 from __future__ import annotations
@@ -87,13 +90,16 @@ def gpu_pids() -> set[int]:
     return {int(x) for x in out.split() if x.strip().isdigit()}
 
 
-def start(engine: Engine, model: str, server_args: list[str], out: Path, trace: bool) -> None:
+def start(engine: Engine, model: str, server_args: list[str], out: Path, trace: bool,
+          launch_profile: int = 0) -> None:
     """Launch the server; `wait_ready` waits for it (servers start side by side)."""
     env = dict(os.environ, PYTHONPATH=f"{engine.package}:{os.environ.get('PYTHONPATH', '')}",
                PYTHONUNBUFFERED="1")
     if trace:
         engine.trace = out / f"trace-{engine.name}.jsonl"
         env["MINISGL_STEP_TRACE"] = str(engine.trace)
+    if launch_profile:
+        env["MINISGL_LAUNCH_PROFILE"] = f"{out / f'launch-{engine.name}.json'}:{launch_profile}"
     engine.log = out / f"server-{engine.name}.log"
     cmd = [sys.executable, "-m", "minisgl", "--model", model, "--port", str(engine.port),
            *server_args]
@@ -281,6 +287,11 @@ def print_report(result: dict[str, Any]) -> None:
                 print(f"    {n:>6}  {frame[:150]}")
             for frame, n in s.get("minisgl_inclusive", [])[:8]:
                 print(f"    incl {n:>6}  {frame[:150]}")
+    for name, prof in result.get("launch_profiles", {}).items():
+        print(f"launch profile {name}: {prof['launches']} prefill launches, "
+              f"{prof['launch_ms']:.1f} ms in all; ops by host time:")
+        for op, ms, calls in prof["ops"][:20]:
+            print(f"    {ms:9.2f} ms {calls:6d} calls  {op}")
 
 
 def relative(path: Path) -> str:
@@ -310,6 +321,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, help="N in flight under py-spy (0: none)")
     p.add_argument("--profile-seconds", type=float, default=6.0)
     p.add_argument("--trace", action="store_true", help="MINISGL_STEP_TRACE on (ours only)")
+    p.add_argument("--launch-profile", type=int, default=0, metavar="N",
+                   help="profile the ops of ours's first N prefill launches (0: off)")
     p.add_argument("--deadline", type=float, default=0,
                    help="seconds after which no new round starts (0: none); the rounds done "
                    "are reported as usual")
@@ -338,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     profiles: dict[str, Any] = {}
     try:
         for e in engines:
-            start(e, a.model, a.server_args.split(), a.out, a.trace)
+            start(e, a.model, a.server_args.split(), a.out, a.trace, a.launch_profile)
         for e in engines:
             wait_ready(e)
         for rnd in range(a.rounds):
@@ -372,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         codes = {e.name: stop(e) for e in engines}
     traces = {e.name: summarize_trace(e.trace, windows[e.name]) for e in engines if e.trace}
+    launches = {e.name: json.loads(f.read_text()) for e in engines
+                if (f := a.out / f"launch-{e.name}.json").is_file()}
     text = report(rows, [e.name for e in engines], [label[ld] for ld in loads])
     result = {"bench": "online", "date": datetime.date.today().isoformat(),
               "machine": bench.machine(),
@@ -379,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
                                    *(sys.argv[1:] if argv is None else argv)]),
               "engines": {e.name: {"package": relative(e.package), "started_s": e.started_s,
                                    "exit_code": codes[e.name]} for e in engines},
-              "rows": rows, "traces": traces, "profiles": profiles, "table": text}
+              "rows": rows, "traces": traces, "profiles": profiles, "launch_profiles": launches,
+              "table": text}
     print_report(result)
     (a.out / "online.json").write_text(json.dumps(result, indent=1) + "\n")
 

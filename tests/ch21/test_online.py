@@ -17,6 +17,7 @@ import torch
 from benchmarks import FOLDER, load
 
 from minisgl.core import SamplingParams
+from minisgl.scheduler.trace import LaunchProfile
 from minisgl.utils import device as device_utils
 
 online = load("online")
@@ -52,6 +53,28 @@ def test_no_trace_without_the_variable(make_llm: Callable, model_dir: Callable,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MINISGL_STEP_TRACE", raising=False)
     assert make_llm(model_dir("tiny-qwen3")).trace is None
+
+
+def test_the_launch_profile_ranks_the_ops_inside_prefill_launches(
+        make_llm: Callable, model_dir: Callable, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """MINISGL_LAUNCH_PROFILE=FILE:2: the profiler covers the first two prefill launches and
+    writes at the second; the operators it ranks ran inside them (their host time fits in
+    the launches' time), and the model's matmuls are among them. Without it: no profiler."""
+    out = tmp_path / "launch.json"
+    monkeypatch.setenv("MINISGL_LAUNCH_PROFILE", f"{out}:2")
+    llm = make_llm(model_dir("tiny-qwen3"), overlap=True)
+    rng = random.Random(5)
+    for n in (12, 20, 7):  # one prefill launch each; the third comes after the file is written
+        llm.generate([[rng.randrange(3, 500) for _ in range(n)]],
+                     SamplingParams(max_tokens=3, ignore_eos=True))
+    result = json.loads(out.read_text())
+    assert result["launches"] == 2 and result["launch_ms"] > 0
+    names = [name for name, _, _ in result["ops"]]
+    assert any(n in names for n in ("aten::mm", "aten::addmm", "aten::linear")), names
+    assert sum(ms for _, ms, _ in result["ops"]) <= result["launch_ms"] * 1.05
+    monkeypatch.delenv("MINISGL_LAUNCH_PROFILE")
+    assert LaunchProfile.from_env() is None
 
 
 def test_one_torch_thread_beside_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,7 +151,8 @@ def test_pyspy_summary(tmp_path: Path) -> None:
 def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
                                              tmp_path: Path) -> None:
     """Two servers of our package, one round each of one load in flight and one rate, with the
-    step trace: every request completes, every number the report needs is there."""
+    step trace and the launch profile: every request completes, every number the report needs
+    is there."""
     out = tmp_path / "online"
     python = str(FOLDER.parent / "python")
     done = subprocess.run(
@@ -136,7 +160,8 @@ def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
          "--engine", f"a={python}", "--engine", f"b={python}", "--server-args", "",
          "--rounds", "2", "--concurrency", "2", "--rates", "8", "--rate-seconds", "0.5",
          "--min-prompts", "3", "--input-len", "8", "24", "--output-len", "4", "6", "--vocab",
-         "500", "--trace", "--out", str(out), "--base-port", str(20000 + os.getpid() % 20000)],
+         "500", "--trace", "--launch-profile", "3", "--out", str(out),
+         "--base-port", str(20000 + os.getpid() % 20000)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((out / "online.json").read_text())
@@ -154,3 +179,4 @@ def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
         runs = result["traces"][name]
         assert set(runs) == {"c=2 r0", "8/s r0", "c=2 r1", "8/s r1"}
         assert all(s["decode"]["count"] > 0 for s in runs.values())
+        assert result["launch_profiles"][name]["launches"] == 3

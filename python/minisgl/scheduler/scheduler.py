@@ -4,6 +4,7 @@ admission in 8, prefix caching in 9, chunked prefill in 10, the overlap loop in 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -29,7 +30,7 @@ from .config import SchedulerConfig
 from .decode import DecodeManager
 from .prefill import ChunkedReq, PrefillManager
 from .table import TableManager
-from .trace import StepTrace
+from .trace import LaunchProfile, StepTrace
 from .utils import PendingReq, SchedulerStats, TokenReply
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.decode_turn = False  # the last batch was a prefill (see _schedule_next_batch)
         self.trace = StepTrace.from_env()  # MINISGL_STEP_TRACE=file: per-step timings
+        self.launch_profile = LaunchProfile.from_env()  # MINISGL_LAUNCH_PROFILE=file[:n]
 
     # -- the I/O a subclass provides: the offline LLM here, the server's process in chapter 14
     def receive_reqs(self, blocking: bool) -> list[PendingReq]:
@@ -135,8 +137,9 @@ class Scheduler:
             self.add_req(req)
         forward_input = self._schedule_next_batch()
         if forward_input is not None:
-            output = self._forward(forward_input)
-            self._after_launch(forward_input.batch)
+            with self._launching(forward_input.batch):
+                output = self._forward(forward_input)
+                self._after_launch(forward_input.batch)
             self._process_last_data((forward_input, output))
 
     def overlap_loop(self, last_data: ForwardData | None) -> ForwardData | None:
@@ -157,12 +160,13 @@ class Scheduler:
                 trace.launched(forward_input.batch)
         ongoing = None
         if forward_input is not None:
-            with stream_context(self.engine.stream):
-                self.engine.stream.wait_stream(self.stream)  # the batch's inputs are ready
-                output = self._forward(forward_input)
-            # back on our stream: the bookkeeping after launch edits page-table rows and the
-            # free list, which the next batch's preparation (on our stream) reads
-            self._after_launch(forward_input.batch)
+            with self._launching(forward_input.batch):
+                with stream_context(self.engine.stream):
+                    self.engine.stream.wait_stream(self.stream)  # the batch's inputs are ready
+                    output = self._forward(forward_input)
+                # back on our stream: the bookkeeping after launch edits page-table rows and
+                # the free list, which the next batch's preparation (on our stream) reads
+                self._after_launch(forward_input.batch)
             ongoing = (forward_input, output)
         if trace is not None:
             trace.mark()
@@ -192,6 +196,14 @@ class Scheduler:
         self.engine.shutdown()
         if self.trace is not None:
             self.trace.write()
+        if self.launch_profile is not None:
+            self.launch_profile.write()
+
+    def _launching(self, batch: Batch) -> contextlib.AbstractContextManager[None]:
+        """The launch of `batch`, profiled when MINISGL_LAUNCH_PROFILE asks for it."""
+        if self.launch_profile is None:
+            return contextlib.nullcontext()
+        return self.launch_profile.launch(batch)
 
     def _schedule_next_batch(self) -> ForwardInput | None:
         """Prefill first (new requests start early), else decode every running request. With

@@ -1,12 +1,18 @@
 """StepTrace: where each step of the scheduler's loop spends its time, for profiling a server
 under load (chapter 21). Off unless MINISGL_STEP_TRACE names a file; then every step appends one
-row in memory (at most MAX_ROWS) and the rows are written there as JSON lines at shutdown."""
+row in memory (at most MAX_ROWS) and the rows are written there as JSON lines at shutdown.
+LaunchProfile: the operators inside the prefill launches, under MINISGL_LAUNCH_PROFILE."""
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
+
+import torch
 
 from minisgl.core import Batch
 
@@ -56,3 +62,69 @@ class StepTrace:
     def write(self) -> None:
         with open(self.path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self.rows)
+
+
+class LaunchProfile:
+    """Where the host's time goes while a prefill batch is launched, under real load: off
+    unless MINISGL_LAUNCH_PROFILE names a file (FILE or FILE:N). Then torch.profiler runs from
+    the first prefill launch until N of them (50 by default) were recorded, each inside a
+    `minisgl::prefill_launch` range, and the file gets one JSON object: the launches, their
+    total milliseconds, and the operators that ran inside them ranked by host (self) time.
+    A diagnostic: the profiler slows every step while it runs."""
+
+    RANGE = "minisgl::prefill_launch"
+
+    def __init__(self, path: str, launches: int = 50) -> None:
+        self.path, self.wanted = path, launches
+        self.seen = 0
+        self.profiler: torch.profiler.profile | None = None
+        self.done = False
+
+    @classmethod
+    def from_env(cls) -> LaunchProfile | None:
+        value = os.environ.get("MINISGL_LAUNCH_PROFILE")
+        if not value:
+            return None
+        path, _, count = value.partition(":")
+        return cls(path, int(count) if count else 50)
+
+    @contextlib.contextmanager
+    def launch(self, batch: Batch) -> Iterator[None]:
+        if self.done or not batch.is_prefill:
+            yield
+            return
+        if self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+        with torch.profiler.record_function(self.RANGE):
+            yield
+        self.seen += 1
+        if self.seen >= self.wanted:
+            self.write()
+
+    def write(self) -> None:
+        """Stop and write what was recorded (at N launches, or at shutdown with fewer)."""
+        if self.done or self.profiler is None:
+            return
+        self.profiler.stop()
+        self.done = True
+        events = self.profiler.events()
+        spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                       if e.name == self.RANGE)
+        starts = [s for s, _ in spans]
+        ops: dict[str, list[float]] = {}
+        for e in events:
+            i = bisect.bisect_right(starts, e.time_range.start) - 1
+            if e.name == self.RANGE or i < 0 or e.time_range.start >= spans[i][1]:
+                continue  # outside every prefill launch
+            total = ops.setdefault(e.name, [0.0, 0])
+            total[0] += e.self_cpu_time_total / 1e3
+            total[1] += 1
+        ranked = sorted(ops.items(), key=lambda kv: -kv[1][0])[:40]
+        with open(self.path, "w") as f:
+            json.dump({"launches": len(spans),
+                       "launch_ms": round(sum(b - a for a, b in spans) / 1e3, 3),
+                       "ops": [[name, round(ms, 3), int(n)] for name, (ms, n) in ranked]}, f)
