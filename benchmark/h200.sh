@@ -90,7 +90,7 @@ tp2)  # chapter 16 on two GPUs (issue "11 ·"): TP=2 against TP=1, the server at
 online)  # both servers side by side, rounds in turns: 1/16/64/256 in flight, two Poisson rates
     python benchmark/online.py --model "$Q06" --engine ours=$PWD/python --engine official=$OFFICIAL \
         --rounds 3 --concurrency 1 16 64 256 --rates 16 32 --prompts-per-slot 2 --rate-seconds 6 \
-        --trace --deadline "${DEADLINE:-0}" \
+        --step-timer --deadline "${DEADLINE:-0}" \
         --out "$OUT/online" 2>&1 | quiet | tee "$OUT/ch21_online.txt"
     ;;
 launch)  # where ours's prefill launch spends its host time under load (a diagnostic, not timed)

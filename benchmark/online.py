@@ -17,7 +17,9 @@ metrics (bench_serving.py), the client's CPU seconds per second, and each server
 process (native frames too) for `--profile-seconds`, and summarizes where each was busy.
 `online.py --print RUN.json` prints a saved run's report again.
 `--trace` starts the servers with MINISGL_STEP_TRACE (ours only: per-step timings of the
-scheduler loop) and summarizes each run's steps; leave it off for the timed sweep.
+scheduler loop) and summarizes each run's steps. `--step-timer` times every engine's steps
+with the same wrappers instead (benchmark/steptimer: a microsecond or so per step, alike on
+both sides), and adds when decode tokens left each scheduler (`emit_gap_ms`).
 `--launch-profile N` starts ours with MINISGL_LAUNCH_PROFILE: the operators inside its first N
 prefill launches under the load, ranked by host time (a diagnostic: the profiler slows the
 steps it covers, so the numbers of those rounds are not for comparison).
@@ -91,11 +93,16 @@ def gpu_pids() -> set[int]:
 
 
 def start(engine: Engine, model: str, server_args: list[str], out: Path, trace: bool,
-          launch_profile: int = 0) -> None:
+          launch_profile: int = 0, step_timer: bool = False) -> None:
     """Launch the server; `wait_ready` waits for it (servers start side by side)."""
-    env = dict(os.environ, PYTHONPATH=f"{engine.package}:{os.environ.get('PYTHONPATH', '')}",
-               PYTHONUNBUFFERED="1")
-    if trace:
+    path = [str(engine.package), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if step_timer:  # the same wrappers in either package: benchmark/steptimer/sitecustomize.py
+        path.insert(0, str(Path(__file__).parent / "steptimer"))
+        engine.trace = out / f"steps-{engine.name}.jsonl"
+        env["MINISGL_STEP_TIMER"] = str(engine.trace)
+    env["PYTHONPATH"] = ":".join(path)
+    if trace and not step_timer:
         engine.trace = out / f"trace-{engine.name}.jsonl"
         env["MINISGL_STEP_TRACE"] = str(engine.trace)
     if launch_profile:
@@ -228,7 +235,20 @@ def summarize_trace(path: Path, windows: list[tuple[str, float, float]]) -> dict
         for phase in ("prefill", "decode"):
             ph = [r for r in steps if r.get("phase") == phase]
             s[phase] = {"count": len(ph), "size_p50": _med([r["size"] for r in ph]),
-                        **{p: _med([r[p] for r in ph]) for p in PARTS}}
+                        "tokens_p50": _med([r.get("tokens", 0) for r in ph]),
+                        **{p: _med([r[p] for r in ph]) for p in PARTS},
+                        "launch_p90": _quantile([r["launch"] for r in ph], 0.9)}
+        # one loop turn, start to start: the server's side of the gap between two tokens
+        turns = [1e3 * (y["t"] - x["t"]) for x, y in zip(steps, steps[1:])]
+        s["turn_ms"] = {"p50": _quantile(turns, 0.5), "p90": _quantile(turns, 0.9),
+                        "p99": _quantile(turns, 0.99)}
+        # when decode tokens leave the scheduler: the end of each step that handed out a
+        # decode batch's tokens; the gaps between them are what a running stream sees first
+        ends = [r["t"] + sum(r[p] for p in PARTS) / 1e3
+                for prev, r in zip(steps, steps[1:]) if prev.get("phase") == "decode"]
+        gaps = [1e3 * (b - a) for a, b in zip(ends, ends[1:])]
+        s["emit_gap_ms"] = {"p50": _quantile(gaps, 0.5), "p99": _quantile(gaps, 0.99),
+                            "max": round(max(gaps), 3) if gaps else None}
         # shares of the run's wall time: waiting for the GPU's tokens, and busy on the host
         # (a receive can be an idle wait for requests, so it is not counted as busy)
         s["wait_share"] = round(sum(r["wait"] for r in steps) / 1e3 / (b - a), 4)
@@ -236,6 +256,10 @@ def summarize_trace(path: Path, windows: list[tuple[str, float, float]]) -> dict
                                 / 1e3 / (b - a), 4)
         out[label] = s
     return out
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None
 
 
 def _med(xs: list[float]) -> float | None:
@@ -321,6 +345,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, help="N in flight under py-spy (0: none)")
     p.add_argument("--profile-seconds", type=float, default=6.0)
     p.add_argument("--trace", action="store_true", help="MINISGL_STEP_TRACE on (ours only)")
+    p.add_argument("--step-timer", action="store_true",
+                   help="time every engine's steps with the same wrappers (benchmark/steptimer)")
     p.add_argument("--launch-profile", type=int, default=0, metavar="N",
                    help="profile the ops of ours's first N prefill launches (0: off)")
     p.add_argument("--deadline", type=float, default=0,
@@ -351,7 +377,8 @@ def main(argv: list[str] | None = None) -> None:
     profiles: dict[str, Any] = {}
     try:
         for e in engines:
-            start(e, a.model, a.server_args.split(), a.out, a.trace, a.launch_profile)
+            start(e, a.model, a.server_args.split(), a.out, a.trace, a.launch_profile,
+                  a.step_timer)
         for e in engines:
             wait_ready(e)
         for rnd in range(a.rounds):
@@ -384,6 +411,9 @@ def main(argv: list[str] | None = None) -> None:
                                     for pid in e.pids()}
     finally:
         codes = {e.name: stop(e) for e in engines}
+    for e in engines:  # the step timer writes one file per process that ran a scheduler
+        if e.trace is not None and (parts := sorted(a.out.glob(f"{e.trace.name}.*"))):
+            e.trace.write_text("".join(f.read_text() for f in parts))
     traces = {e.name: summarize_trace(e.trace, windows[e.name]) for e in engines if e.trace}
     launches = {e.name: json.loads(f.read_text()) for e in engines
                 if (f := a.out / f"launch-{e.name}.json").is_file()}
@@ -394,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
                                    *(sys.argv[1:] if argv is None else argv)]),
               "engines": {e.name: {"package": relative(e.package), "started_s": e.started_s,
                                    "exit_code": codes[e.name]} for e in engines},
-              "rows": rows, "traces": traces, "profiles": profiles, "launch_profiles": launches,
+              "rows": rows, "windows": windows, "traces": traces, "profiles": profiles,
+              "launch_profiles": launches,
               "table": text}
     print_report(result)
     (a.out / "online.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -4,6 +4,7 @@ input, then a real run against our server on the CPU)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import torch
 from benchmarks import FOLDER, load
 
 from minisgl.core import SamplingParams
+from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.trace import LaunchProfile
 from minisgl.utils import device as device_utils
 
@@ -180,3 +182,36 @@ def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
         assert set(runs) == {"c=2 r0", "8/s r0", "c=2 r1", "8/s r1"}
         assert all(s["decode"]["count"] > 0 for s in runs.values())
         assert result["launch_profiles"][name]["launches"] == 3
+
+
+def test_the_step_timer_times_any_package(model_dir: Callable[[str], Path],
+                                          tmp_path: Path) -> None:
+    """benchmark/steptimer wraps the scheduler of whatever minisgl is imported (here ours, on
+    the GPU the official's too): one row per step, prefill rows carry the prompts' tokens."""
+    script = ("from minisgl.llm import LLM\nfrom minisgl.core import SamplingParams\n"
+              f"llm = LLM({str(model_dir('tiny-qwen3'))!r})\n"
+              "llm.generate([[5] * 30, [7] * 50], SamplingParams(max_tokens=5, ignore_eos=True))\n")
+    timer = FOLDER / "steptimer" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("steptimer_sitecustomize", timer)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # MINISGL_STEP_TIMER unset here: it only defines things
+    assert module.TARGET == Scheduler.__module__  # a renamed module would go untimed
+    path = tmp_path / "steps.jsonl"
+    env = dict(os.environ, MINISGL_STEP_TIMER=str(path),
+               PYTHONPATH=f"{FOLDER / 'steptimer'}:{FOLDER.parent / 'python'}")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (part,) = tmp_path.glob("steps.jsonl.*")
+    rows = [json.loads(x) for x in part.read_text().splitlines()]
+    phases = [r.get("phase") for r in rows]
+    assert phases[0] == "prefill" and rows[0]["tokens"] == 80 and rows[0]["size"] == 2
+    assert phases.count("decode") == 4  # 5 tokens: one from the prefill, four decode steps
+    assert all(r["launch"] > 0 for r in rows if "phase" in r)
+    s = online.summarize_trace(part, [("all", rows[0]["t"], rows[-1]["t"])])
+    assert s["all"]["prefill"]["tokens_p50"] == 80
+    assert s["all"]["turn_ms"]["p99"] >= s["all"]["turn_ms"]["p50"] > 0
+    gap = s["all"]["emit_gap_ms"]
+    assert gap["max"] >= gap["p99"] >= gap["p50"] > 0
+

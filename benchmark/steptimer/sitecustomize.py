@@ -1,0 +1,104 @@
+"""The same step timer in any minisgl package, ours or the official's (benchmark/online.py
+--step-timer puts this folder first on PYTHONPATH and names a file in MINISGL_STEP_TIMER).
+
+Python imports `sitecustomize` at start in every process; this one waits for
+`minisgl.scheduler.scheduler` to be imported and wraps three methods that both packages'
+overlap loops call once per step, in this order: `_schedule_next_batch` (pick and prepare the
+next batch), `_forward` (launch it) and `_process_last_data` (wait for the previous batch's
+tokens and hand them out). Each step becomes one JSON line in chapter 21's StepTrace shape:
+`t` (perf_counter when the previous step ended), the milliseconds of receive (from then),
+prepare, launch, wait (0: counted in reply) and reply, and the phase, size and new tokens of
+the batch launched. A diagnostic: the wrappers cost about a microsecond per call."""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import time
+
+TARGET = "minisgl.scheduler.scheduler"
+PATH = os.environ.get("MINISGL_STEP_TIMER", "")
+
+
+class _Timer:
+    def __init__(self, path: str) -> None:
+        self.path, self.rows, self.row = path, [], None
+        self.last_end = time.perf_counter()
+        atexit.register(self.flush)
+
+    def flush(self) -> None:
+        if self.rows:
+            with open(self.path, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.rows)
+            self.rows = []
+
+    def patch(self, cls: type) -> None:
+        schedule, forward, process = (cls._schedule_next_batch, cls._forward,
+                                      cls._process_last_data)
+        timer = self
+
+        def _schedule_next_batch(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = schedule(self, *args, **kwargs)
+            t1 = time.perf_counter()
+            began = timer.last_end
+            timer.row = {"t": round(began, 6), "receive": round(1e3 * (t0 - began), 4),
+                         "prepare": round(1e3 * (t1 - t0), 4), "launch": 0.0, "wait": 0.0}
+            if out is not None:
+                batch = out.batch
+                timer.row.update(phase="prefill" if batch.is_prefill else "decode",
+                                 size=len(batch.reqs),
+                                 tokens=sum(r.extend_len for r in batch.reqs))
+            timer.mark = t1
+            return out
+
+        def _forward(self, *args, **kwargs):
+            out = forward(self, *args, **kwargs)
+            if timer.row is not None:
+                t = time.perf_counter()
+                timer.row["launch"] = round(1e3 * (t - timer.mark), 4)
+                timer.mark = t
+            return out
+
+        def _process_last_data(self, *args, **kwargs):
+            out = process(self, *args, **kwargs)
+            t = time.perf_counter()
+            if timer.row is not None:
+                # everything from the launch's end: ours's bookkeeping after launch included
+                timer.row["reply"] = round(1e3 * (t - timer.mark), 4)
+                timer.rows.append(timer.row)
+                timer.row = None
+                if len(timer.rows) >= 512:
+                    timer.flush()
+            timer.last_end = t
+            return out
+
+        cls._schedule_next_batch = _schedule_next_batch
+        cls._forward = _forward
+        cls._process_last_data = _process_last_data
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)  # find the real module, once
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _Timer(f"{PATH}.{os.getpid()}").patch(module.Scheduler)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if PATH:
+    sys.meta_path.insert(0, _Finder())
