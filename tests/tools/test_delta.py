@@ -1,0 +1,481 @@
+"""Unit tests of tools/book/delta.py: writing, reading and strictly applying reverse deltas."""
+
+from __future__ import annotations
+
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+sys.path.insert(0, str(TOOLS))
+from book.delta import (  # noqa: E402
+    DEV_NULL,
+    DeltaError,
+    FileDelta,
+    Hunk,
+    apply_reverse,
+    check_successor,
+    decode_text,
+    encode_delta,
+    parse_delta,
+    read_patch,
+    split_lines,
+    tree_label,
+)
+
+PATCH = "chapters/ch03_x/delta.patch"
+
+
+def lines_text(n: int, tag: str = "line") -> str:
+    return "".join(f"{tag} {k}\n" for k in range(1, n + 1))
+
+
+def section(old: str, new: str, label: str = "tree04/a.py", context: int = 1) -> FileDelta:
+    """The parsed section for one file changed from `old` (tree 3) to `new`."""
+    text = encode_delta(3, {"a.py": (old, new, label)}, context)
+    return parse_delta(text, PATCH)["a.py"]
+
+
+def rebuild(fd: FileDelta, successor_text: str) -> str:
+    return apply_reverse(
+        successor_text, fd.hunks, patch=PATCH, path=fd.path, successor=fd.new_label
+    )
+
+
+def round_trip(old: str, new: str, label: str = "tree04/a.py", context: int = 1) -> str:
+    """Encode old -> new, parse it back, apply it in reverse to `new`; return the patch."""
+    text = encode_delta(3, {"a.py": (old, new, label)}, context)
+    sections = parse_delta(text, PATCH)
+    if old == new and label != DEV_NULL:
+        assert text == "" and sections == {}
+        return text
+    fd = sections["a.py"]
+    assert (fd.old_label, fd.new_label) == ("tree03/a.py", label)
+    assert rebuild(fd, new) == old
+    return text
+
+
+# ---------------------------------------------------------------------------- lines
+
+
+def test_split_lines_splits_on_newline_only() -> None:
+    assert split_lines("") == []
+    assert split_lines("a\r\nb\x0cc\rd\ne") == ["a\r\n", "b\x0cc\rd\n", "e"]
+    assert split_lines("a\n\n") == ["a\n", "\n"]
+    assert "".join(split_lines("x\u2028y\x85z\n")) == "x\u2028y\x85z\n"
+    assert len(split_lines("x\u2028y\x85z\n")) == 1
+
+
+def test_decode_text_refuses_binary() -> None:
+    assert decode_text("ü\n".encode(), "f") == "ü\n"
+    with pytest.raises(DeltaError, match=r"^blob\.bin: not UTF-8 text"):
+        decode_text(b"\xff\xfe\x00", "blob.bin")
+
+
+def test_tree_label_pads_the_number() -> None:
+    assert tree_label(3, "minisgl/a.py") == "tree03/minisgl/a.py"
+    assert tree_label(21, "x") == "tree21/x"
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def test_encode_writes_the_standard_format() -> None:
+    old, new = "a\nb\nc\nd\n", "a\nB\nc\nd\n"
+    assert encode_delta(3, {"x.py": (old, new, "repo/x.py")}) == (
+        "--- tree03/x.py\n+++ repo/x.py\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
+    )
+    one = encode_delta(3, {"x.py": ("a\n", "b\n", "tree04/x.py")})
+    assert one == "--- tree03/x.py\n+++ tree04/x.py\n@@ -1 +1 @@\n-a\n+b\n"
+
+
+def test_encode_orders_sections_by_path_and_skips_identical_files() -> None:
+    files = {
+        "z.py": ("1\n", "2\n", "tree04/z.py"),
+        "same.py": ("s\n", "s\n", "tree04/same.py"),
+        "a/b.py": ("1\n", "2\n", "repo/a/b.py"),
+    }
+    text = encode_delta(3, files)
+    heads = [line for line in text.splitlines() if line.startswith("--- ")]
+    assert heads == ["--- tree03/a/b.py", "--- tree03/z.py"]
+    assert list(parse_delta(text, PATCH)) == ["a/b.py", "z.py"]
+    assert encode_delta(3, dict(reversed(list(files.items())))) == text
+
+
+def test_encode_refuses_text_for_dev_null_and_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="/dev/null"):
+        encode_delta(3, {"a.py": ("x\n", "y\n", DEV_NULL)})
+    with pytest.raises(ValueError, match="context"):
+        encode_delta(3, {"a.py": ("x\n", "y\n", "tree04/a.py")}, context=-1)
+    with pytest.raises(ValueError, match="bad path"):
+        encode_delta(3, {"a\n.py": ("x\n", "y\n", "tree04/a.py")})
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+def test_identical_files_have_no_section() -> None:
+    assert round_trip("a\nb\n", "a\nb\n") == ""
+    assert round_trip("", "") == ""
+    assert round_trip("no newline", "no newline") == ""
+
+
+def test_dev_null_successor_holds_the_whole_file() -> None:
+    text = round_trip("a\nb\n", "", DEV_NULL)
+    assert text == "--- tree03/a.py\n+++ /dev/null\n@@ -1,2 +0,0 @@\n-a\n-b\n"
+    round_trip("only\r", "", DEV_NULL)
+
+
+def test_empty_file_with_dev_null_successor_is_a_section_without_hunks() -> None:
+    text = round_trip("", "", DEV_NULL)
+    assert text == "--- tree03/a.py\n+++ /dev/null\n"
+    assert parse_delta(text, PATCH)["a.py"].hunks == ()
+
+
+def test_empty_successor_and_empty_tree_file() -> None:
+    round_trip("a\nb\n", "")
+    round_trip("", "a\nb\n")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("a\nb\nc", "a\nb\nc\n"),  # tree N lacks the final newline
+        ("a\nb\nc\n", "a\nb\nc"),  # the successor lacks it
+        ("a\nb\nc", "a\nB\nc"),  # both lack it; the last line is context
+        ("a\nb\nc", "a\nb\nd"),  # both lack it; the last line changes
+        ("x", "y"),
+        ("x", ""),
+        ("", "x"),
+        ("a\n" * 5 + "z", "a\n" * 5 + "z\nmore\n"),
+    ],
+)
+def test_missing_final_newline_survives(old: str, new: str) -> None:
+    text = round_trip(old, new)
+    assert "\\ No newline at end of file\n" in text
+
+
+def test_no_newline_marker_is_written_after_the_line() -> None:
+    text = encode_delta(3, {"a.py": ("a\nb", "a\nb\n", "tree04/a.py")})
+    assert text.endswith("@@ -1,2 +1,2 @@\n a\n-b\n\\ No newline at end of file\n+b\n")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("a\r\nb\r\nc\r\n", "a\r\nB\r\nc\r\n"),  # CRLF lines
+        ("a\nb\rc\nd\n", "a\nb\rC\nd\n"),  # a lone "\r" inside a line
+        ("a\r\n", "a\n"),  # only the "\r" differs
+        ("x\r", "x\r\n"),
+        ("page 1\n\x0c\npage 2\n", "page 1\n\x0c\npage two\n"),  # form feed line
+        ("a\x0cb\nc\n", "a\x0cB\nc\n"),  # form feed inside a line
+        ("x\x0b\x1c\x1d\x1e\x85\u2028\u2029y\n", "x\n"),  # what str.splitlines splits on
+        ("ünïcødé ✓\n", "ünïcødé ✗\n"),
+    ],
+)
+def test_odd_characters_survive(old: str, new: str) -> None:
+    round_trip(old, new)
+
+
+def test_lines_that_look_like_patch_syntax_survive() -> None:
+    old = "--- tree03/a.py\n+++ repo/a.py\n@@ -1 +1 @@\n\\ No newline at end of file\n-x\n+y\n"
+    new = "--- tree03/a.py\n+++ tree09/a.py\n@@ -1 +1 @@\n\\ No newline at end of file\n+y\n"
+    round_trip(old, new)
+    round_trip(old, "")
+    round_trip("", old)
+
+
+def test_multi_hunk_file() -> None:
+    old = lines_text(40)
+    new_lines = split_lines(old)
+    new_lines[2] = "changed 3\n"
+    del new_lines[15:18]
+    new_lines.insert(30, "inserted\n")
+    new_lines[-1] = "last, changed\n"
+    new = "".join(new_lines)
+    fd = section(old, new)
+    assert len(fd.hunks) == 4
+    assert rebuild(fd, new) == old
+    for context in (0, 2, 3, 10):
+        round_trip(old, new, context=context)
+
+
+def test_several_files_in_one_patch() -> None:
+    files = {
+        "minisgl/a.py": (lines_text(10), lines_text(10, "x"), "tree04/minisgl/a.py"),
+        "tests/t.py": ("t\n", "", DEV_NULL),
+        "minisgl/b.py": ("b\nc", "b\nc\nd\n", "repo/python/minisgl/b.py"),
+    }
+    sections = parse_delta(encode_delta(3, files), PATCH)
+    assert list(sections) == sorted(files)
+    for path, (old, new, label) in files.items():
+        fd = sections[path]
+        assert fd.new_label == label
+        check_successor(fd, label, PATCH)
+        assert apply_reverse(new, fd.hunks, patch=PATCH, path=path, successor=label) == old
+
+
+def test_read_patch_keeps_carriage_returns(tmp_path: Path) -> None:
+    old, new = "a\r\nb\rc\n", "a\r\nB\rc\n"
+    text = encode_delta(3, {"a.py": (old, new, "tree04/a.py")})
+    file = tmp_path / "delta.patch"
+    file.write_bytes(text.encode("utf-8"))
+    fd = read_patch(file, PATCH)["a.py"]
+    assert rebuild(fd, new) == old
+    with pytest.raises(DeltaError, match="not UTF-8"):
+        file.write_bytes(b"--- tree03/a.py\n+++ \xff\n")
+        read_patch(file)
+
+
+def random_text(rng: random.Random) -> str:
+    pieces = ["a", "b", "c", "", " ", "\r", "\x0c", "-", "+", "@@", "\\", "ü"]
+    lines = [
+        "".join(rng.choice(pieces) for _ in range(rng.randint(0, 3)))
+        for _ in range(rng.randint(0, 12))
+    ]
+    text = "\n".join(lines)
+    return text + "\n" if lines and rng.random() < 0.7 else text
+
+
+def random_edit(rng: random.Random, text: str) -> str:
+    lines = split_lines(text)
+    for _ in range(rng.randint(0, 4)):
+        k = rng.randint(0, len(lines))
+        op = rng.choice(["insert", "delete", "replace", "newline"])
+        fresh = rng.choice(["new\n", "a\n", "\n", "\r\n", "b\x0c\n", "x"])
+        if op == "insert":
+            lines.insert(k, fresh)
+        elif lines and op == "delete":
+            del lines[min(k, len(lines) - 1)]
+        elif lines and op == "replace":
+            lines[min(k, len(lines) - 1)] = fresh
+        elif lines:
+            last = lines[-1]
+            lines[-1] = last[:-1] if last.endswith("\n") else last + "\n"
+    # keep the result a text: a line without "\n" may only come last
+    joined = "".join(line if line.endswith("\n") else line + "\n" for line in lines[:-1])
+    return joined + (lines[-1] if lines else "")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+def test_random_round_trips(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(20):  # 10 seeds x 20 = 200 random pairs
+        old = random_text(rng)
+        new = random_edit(rng, old) if rng.random() < 0.8 else random_text(rng)
+        context = rng.choice([0, 1, 1, 1, 2, 3])
+        label = DEV_NULL if not new and rng.random() < 0.5 else "tree04/a.py"
+        text = round_trip(old, new, label, context)
+        assert encode_delta(3, {"a.py": (old, new, label)}, context) == text  # deterministic
+
+
+# ---------------------------------------------------------------------------- stale deltas
+
+
+def test_stale_hunk_names_the_hunk_and_the_line() -> None:
+    old = lines_text(30)
+    new = old.replace("line 5\n", "line five\n").replace("line 20\n", "line twenty\n")
+    fd = section(old, new)
+    assert [h.header for h in fd.hunks] == ["@@ -4,3 +4,3 @@", "@@ -19,3 +19,3 @@"]
+    edited = new.replace("line 21\n", "an edit nobody recorded\n")
+    with pytest.raises(DeltaError) as info:
+        rebuild(fd, edited)
+    assert str(info.value) == (
+        f"{PATCH}: a.py: hunk 2 (@@ -19,3 +19,3 @@) does not fit tree04/a.py: at line 21 it "
+        "expects 'line 21' but finds 'an edit nobody recorded'; the successor changed without "
+        "its delta being re-derived (run `steps.py record`)"
+    )
+
+
+def test_no_offset_search_a_shifted_successor_fails() -> None:
+    old = lines_text(30)
+    new = old.replace("line 20\n", "line twenty\n")
+    fd = section(old, new)
+    with pytest.raises(DeltaError, match=r"hunk 1 \(@@ -19,3 \+19,3 @@\).*at line 19"):
+        rebuild(fd, "a line added at the top\n" + new)
+
+
+def test_stale_hunk_at_the_end_of_the_successor() -> None:
+    old = lines_text(10)
+    new = lines_text(9) + "line ten\n"
+    fd = section(old, new)
+    with pytest.raises(DeltaError, match=r"at line 10 it expects 'line ten' but finds the end"):
+        rebuild(fd, lines_text(9))
+    with pytest.raises(DeltaError, match=r"'line ten' \(no newline at end of file\)"):
+        rebuild(fd, lines_text(9) + "line ten")
+
+
+def test_stale_hunk_that_ends_a_file_without_a_final_newline() -> None:
+    fd = section("a\nb", "a\nb\n")
+    assert rebuild(fd, "a\nb\n") == "a\nb"
+    with pytest.raises(DeltaError, match=r"ends the file, but the successor goes on at line 3"):
+        rebuild(fd, "a\nb\nappended\n")
+
+
+def test_stale_pure_insertion_past_the_end_fails() -> None:
+    fd = section(lines_text(6), lines_text(5), context=0)
+    assert [h.header for h in fd.hunks] == ["@@ -6 +5,0 @@"]
+    with pytest.raises(DeltaError, match=r"starts after line 5, but the successor has 3 lines"):
+        rebuild(fd, lines_text(3))
+
+
+def test_apply_refuses_hunks_out_of_order() -> None:
+    old = lines_text(30)
+    new = old.replace("line 5\n", "5\n").replace("line 20\n", "20\n")
+    fd = section(old, new)
+    with pytest.raises(DeltaError, match=r"hunk 2 \(@@ -4,3 \+4,3 @@\) is misnumbered"):
+        apply_reverse(new, fd.hunks[::-1], patch=PATCH, path="a.py", successor="tree04/a.py")
+
+
+# ---------------------------------------------------------------------------- the +++ label
+
+
+def test_wrong_successor_label_names_both_labels() -> None:
+    fd = section("a\n", "b\n", "tree04/a.py")
+    check_successor(fd, "tree04/a.py", PATCH)
+    with pytest.raises(DeltaError) as info:
+        check_successor(fd, "repo/a.py", PATCH)
+    message = str(info.value)
+    assert message.startswith(f"{PATCH}: a.py: ")
+    assert "against tree04/a.py but the successor is now repo/a.py" in message
+    assert "steps.py record" in message
+
+
+# ---------------------------------------------------------------------------- malformed patches
+
+GOOD = (
+    "--- tree03/a.py\n"
+    "+++ tree04/a.py\n"
+    "@@ -2,3 +2,3 @@\n"
+    " 2\n"
+    "-3\n"
+    "+three\n"
+    " 4\n"
+    "@@ -9,3 +9,4 @@\n"
+    " 9\n"
+    "+nine and a half\n"
+    " 10\n"
+    " 11\n"
+)
+
+
+def bad(text: str, pattern: str) -> None:
+    with pytest.raises(DeltaError, match=pattern):
+        parse_delta(text, PATCH)
+
+
+def test_the_good_patch_parses() -> None:
+    fd = parse_delta(GOOD, PATCH)["a.py"]
+    assert fd == FileDelta(
+        "a.py",
+        "tree03/a.py",
+        "tree04/a.py",
+        (
+            Hunk(
+                "@@ -2,3 +2,3 @@",
+                2,
+                3,
+                2,
+                3,
+                ((" ", "2\n"), ("-", "3\n"), ("+", "three\n"), (" ", "4\n")),
+            ),
+            Hunk(
+                "@@ -9,3 +9,4 @@",
+                9,
+                3,
+                9,
+                4,
+                ((" ", "9\n"), ("+", "nine and a half\n"), (" ", "10\n"), (" ", "11\n")),
+            ),
+        ),
+    )
+    assert parse_delta("", PATCH) == {}
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ("@@ -9,3 +10,4 @@", r"a\.py: hunk 2 \(@@ -9,3 \+10,4 @@\) is misnumbered"),
+        ("@@ -3,3 +3,4 @@", r"a\.py: hunk 2 \(@@ -3,3 \+3,4 @@\) is misnumbered"),
+        ("@@ -0,3 +0,4 @@", r"a\.py: hunk 2 \(@@ -0,3 \+0,4 @@\) is misnumbered"),
+    ],
+)
+def test_misnumbered_hunk_header_fails_in_the_reader(header: str, message: str) -> None:
+    bad(GOOD.replace("@@ -9,3 +9,4 @@", header), PATCH.replace(".", r"\.") + ":8: " + message)
+
+
+def test_misnumbered_first_hunk_fails_in_the_reader() -> None:
+    bad(GOOD.replace("@@ -2,3 +2,3 @@", "@@ -2,3 +3,3 @@"), r":3: a\.py: hunk 1 .* misnumbered")
+
+
+def test_body_with_fewer_lines_than_the_header_fails() -> None:
+    text = GOOD.replace("@@ -2,3 +2,3 @@", "@@ -2,4 +2,4 @@")
+    bad(
+        text,
+        r":8: a\.py: hunk 1 \(@@ -2,4 \+2,4 @@\): its body has 3 old and 3 new lines where the "
+        r"header counts 4 and 4; found '@@ -9,3 \+9,4 @@'",
+    )
+    bad(GOOD[: GOOD.index(" 11\n")], r":12: a\.py: hunk 2 .* found the end of the patch")
+
+
+def test_body_with_more_lines_than_the_header_fails() -> None:
+    bad(GOOD.replace("@@ -2,3 +2,3 @@", "@@ -2,2 +2,3 @@"), r"hunk 1 .* more old lines")
+    bad(GOOD + " 12\n", r":13: a\.py: hunk 2 .* has more lines than its header counts: ' 12'")
+    bad(GOOD.replace("+three\n", "+three\n+tres\n"), r"hunk 1 .* more new lines")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("garbage\n" + GOOD, r":1: expected a '--- treeNN/<path>' line, found 'garbage'"),
+        (GOOD + "garbage\n", r":13: a\.py: expected a hunk header .* found 'garbage'"),
+        (GOOD.replace(" 10\n", "?10\n"), r":11: a\.py: hunk 2 .* found '\?10'"),
+        (GOOD.replace(" 10\n", "\n"), r":11: a\.py: hunk 2 .* found ''"),
+        (GOOD.replace("@@ -2,3 +2,3 @@", "@@ -2,3 +2,3 @@ def f():"), r"bad hunk header"),
+        (GOOD.replace("@@ -2,3 +2,3 @@", "@@ -02,3 +2,3 @@"), r"bad hunk header"),
+        (GOOD.replace("+++ tree04/a.py", "+++ "), r":2: a\.py: expected '\+\+\+ <label>'"),
+        (GOOD.replace("+++ tree04/a.py\n", ""), r":2: a\.py: expected '\+\+\+ <label>'"),
+        ("--- tree03/a.py\n", r"found the end of the patch"),
+        (GOOD.replace("tree03/a.py", "a.py"), r":1: 'a\.py' is not 'treeNN/<path>'"),
+        (GOOD + GOOD, r":13: a\.py has a second section"),
+        (GOOD + GOOD.replace("tree03/a.py", "tree05/b.py"), r":13: b\.py: tree05, not tree03"),
+        (GOOD[:-1], r"the last line has no newline"),
+        ("--- tree03/a.py\n+++ tree04/a.py\n", r":1: a\.py: a section without hunks"),
+        (GOOD.replace(" 4\n", " 4\n\\ No newline at end of file\n"), r"follows the end"),
+        (GOOD.replace("-3\n", "-3\n\\ No newline at end of file\n"), r"follows the end"),
+        (GOOD + 2 * "\\ No newline at end of file\n", r"hunk 2 .* more lines than its header"),
+        (GOOD.replace("-3\n+three\n", " 3\n 3\n"), r"hunk 1 \(@@ -2,3 \+2,3 @@\) changes nothing"),
+        (GOOD.replace("@@ -2,3 +2,3 @@", "@@ -2,0 +2,0 @@"), r"hunk 1 .* is misnumbered"),
+    ],
+)
+def test_malformed_patch_fails_naming_the_place(text: str, message: str) -> None:
+    bad(text, message)
+
+
+def test_hunk_after_one_that_ends_the_file_fails() -> None:
+    text = (
+        "--- tree03/a.py\n+++ tree04/a.py\n@@ -1 +1 @@\n-a\n\\ No newline at end of file\n+a\n"
+        "@@ -3 +3 @@\n-c\n+C\n"
+    )
+    bad(text, r":7: a\.py: hunk 2 \(@@ -3 \+3 @@\) follows the end of the file")
+
+
+def test_error_messages_carry_the_patch_name() -> None:
+    with pytest.raises(DeltaError) as info:
+        parse_delta(GOOD.replace("@@ -9,3 +9,4 @@", "@@ -9,3 +10,4 @@"), PATCH)
+    assert re.match(re.escape(PATCH) + r":8: a\.py: hunk 2 ", str(info.value))
+
+
+def test_misnumbered_message_says_where_the_hunk_should_start() -> None:
+    bad(
+        GOOD.replace("@@ -9,3 +9,4 @@", "@@ -9,3 +11,4 @@"),
+        r"hunk 2 \(@@ -9,3 \+11,4 @@\) is misnumbered: the hunks before it shift lines by 0, so "
+        r"its new range should start at 9, not 11",
+    )
+    bad(
+        GOOD.replace("@@ -9,3 +9,4 @@", "@@ -3,3 +3,4 @@"),
+        r"hunk 2 \(@@ -3,3 \+3,4 @@\) is misnumbered: it starts before the end of hunk 1",
+    )

@@ -1,0 +1,359 @@
+"""Reverse deltas: a chapter's tree stored as one unified diff against its successor tree.
+
+A chapter's `delta.patch` holds one section per file of tree N whose content differs from its
+successor. Each section runs from tree N (`--- treeNN/<path>`) to the successor
+(`+++ treeMM/<path>`, `+++ repo/<live path>` or `+++ /dev/null`). Tree N's file is rebuilt by
+applying the section's hunks in reverse to the successor's text, strictly: every hunk must fit
+at exactly the line its header names. There is no fuzz and no offset search.
+
+Texts are `str` split on "\\n" only, so "\\r", form feeds and a missing final newline
+(`\\ No newline at end of file`) survive byte for byte. A patch must therefore be read and
+written without newline translation: use `read_patch`, and write the text from `encode_delta`
+as UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DEV_NULL = "/dev/null"
+NO_NEWLINE = "\\ No newline at end of file"
+RECORD_HINT = "run `steps.py record`"
+
+_NUM = "(0|[1-9][0-9]*)"
+_HUNK_RE = re.compile(rf"@@ -{_NUM}(?:,{_NUM})? \+{_NUM}(?:,{_NUM})? @@")
+_OLD_LABEL_RE = re.compile(r"tree([0-9]+)/(.+)")
+
+
+class DeltaError(Exception):
+    """A delta that is malformed, or that does not fit the text it is applied to."""
+
+
+@dataclass(frozen=True)
+class Hunk:
+    """One hunk: its header as written, its two ranges and its body.
+
+    A range's start is 1-based, or names the line before the range when its length is 0. The
+    body is (tag, line) pairs: tag " " (in both), "-" (tree N only) or "+" (successor only);
+    a line keeps its "\\n" unless it is the last line of a file that has none.
+    """
+
+    header: str
+    old_start: int
+    old_len: int
+    new_start: int
+    new_len: int
+    lines: tuple[tuple[str, str], ...]
+
+    def old_lines(self) -> list[str]:
+        """The lines of tree N that this hunk covers."""
+        return [line for tag, line in self.lines if tag != "+"]
+
+    def new_lines(self) -> list[str]:
+        """The lines of the successor that this hunk covers."""
+        return [line for tag, line in self.lines if tag != "-"]
+
+
+@dataclass(frozen=True)
+class FileDelta:
+    """One file's section of a patch: its path in tree N, both labels and its hunks."""
+
+    path: str
+    old_label: str
+    new_label: str
+    hunks: tuple[Hunk, ...]
+
+
+# ---------------------------------------------------------------------------- text
+
+
+def tree_label(n: int, path: str) -> str:
+    """The label of `path` in tree `n`, as a section header writes it: `treeNN/<path>`."""
+    return f"tree{n:02d}/{path}"
+
+
+def decode_text(data: bytes, where: str) -> str:
+    """`data` as UTF-8 text; DeltaError naming `where` when it is not (a delta needs text)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DeltaError(f"{where}: not UTF-8 text ({exc}); a delta needs text") from None
+
+
+def split_lines(text: str) -> list[str]:
+    """The lines of `text`, each with its "\\n" (the last may lack it); splits on "\\n" only."""
+    parts = text.split("\n")
+    lines = [part + "\n" for part in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def encode_delta(n: int, files: Mapping[str, tuple[str, str, str]], context: int = 1) -> str:
+    """The patch text of chapter `n` from {path: (tree N text, successor text, `+++` label)}.
+
+    Sections come in path order. A file equal to its successor gets no section, except when
+    the label is /dev/null (the successor text must then be empty): that section holds the
+    whole file, and no hunks at all when the file is empty.
+    """
+    if context < 0:
+        raise ValueError(f"context must be 0 or more, not {context}")
+    out: list[str] = []
+    for path in sorted(files):
+        old, new, label = files[path]
+        if not path or "\n" in path or not label or "\n" in label:
+            raise ValueError(f"bad path or label: {path!r} -> {label!r}")
+        if label == DEV_NULL and new:
+            raise ValueError(f"{path}: the successor is {DEV_NULL} but its text is not empty")
+        if old == new and label != DEV_NULL:
+            continue
+        out += [f"--- {tree_label(n, path)}\n", f"+++ {label}\n"]
+        out += _encode_hunks(split_lines(old), split_lines(new), context)
+    return "".join(out)
+
+
+def _encode_hunks(old: list[str], new: list[str], context: int) -> list[str]:
+    """The hunks from `old` to `new`, as patch lines each ending in "\\n"."""
+    out: list[str] = []
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    for group in matcher.get_grouped_opcodes(context):
+        i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
+        out.append(f"@@ -{_format_range(i1, i2)} +{_format_range(j1, j2)} @@\n")
+        for tag, k1, k2, m1, m2 in group:
+            if tag == "equal":
+                out += _body_lines(" ", old[k1:k2])
+            else:
+                out += _body_lines("-", old[k1:k2])
+                out += _body_lines("+", new[m1:m2])
+    return out
+
+
+def _format_range(start: int, stop: int) -> str:
+    """A hunk range for the 0-based lines [start, stop), as GNU diff writes it."""
+    length = stop - start
+    first = start + 1 if length else start
+    return f"{first}" if length == 1 else f"{first},{length}"
+
+
+def _body_lines(tag: str, lines: list[str]) -> list[str]:
+    """Body lines for `lines`, with the marker after a line that has no "\\n"."""
+    out = []
+    for line in lines:
+        if line.endswith("\n"):
+            out.append(tag + line)
+        else:
+            out += [tag + line + "\n", NO_NEWLINE + "\n"]
+    return out
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def read_patch(file: Path, name: str | None = None) -> dict[str, FileDelta]:
+    """Parse the patch in `file`, read as bytes so that no newline is translated."""
+    where = name if name is not None else str(file)
+    return parse_delta(decode_text(file.read_bytes(), where), where)
+
+
+def parse_delta(text: str, patch: str) -> dict[str, FileDelta]:
+    """Parse patch text into {path: FileDelta}, in the order of the patch.
+
+    Strict: garbage lines, a bad or misnumbered hunk header, a body whose line counts differ
+    from its header, a repeated path or a mix of trees raise DeltaError naming `patch`, the
+    line, the file and the hunk. `text` must come without newline translation (`read_patch`).
+    """
+    if text and not text.endswith("\n"):
+        raise DeltaError(f"{patch}: the last line has no newline; the patch is cut short")
+    lines = text.split("\n")[:-1]
+    sections: dict[str, FileDelta] = {}
+    tree = None
+    i = 0
+    while i < len(lines):
+        if not lines[i].startswith("--- "):
+            raise DeltaError(
+                f"{patch}:{i + 1}: expected a '--- treeNN/<path>' line, found {lines[i]!r}"
+            )
+        old_label = lines[i][4:]
+        plus = lines[i + 1] if i + 1 < len(lines) else ""
+        match = _OLD_LABEL_RE.fullmatch(old_label)
+        if match is None:
+            raise DeltaError(f"{patch}:{i + 1}: {old_label!r} is not 'treeNN/<path>'")
+        path = match.group(2)
+        if tree is not None and match.group(1) != tree:
+            raise DeltaError(f"{patch}:{i + 1}: {path}: tree{match.group(1)}, not tree{tree}")
+        tree = match.group(1)
+        if path in sections:
+            raise DeltaError(f"{patch}:{i + 1}: {path} has a second section")
+        if not plus.startswith("+++ ") or len(plus) == 4:
+            found = repr(plus) if i + 1 < len(lines) else "the end of the patch"
+            raise DeltaError(f"{patch}:{i + 2}: {path}: expected '+++ <label>', found {found}")
+        section_line = i + 1
+        i += 2
+        hunks: list[Hunk] = []
+        shift = old_end = 0  # new index minus old index after the hunks so far; end of the last
+        ended = False  # a hunk reached the end of a file that has no final newline
+        while i < len(lines) and lines[i].startswith("@@"):
+            k = len(hunks) + 1
+            if ended:
+                raise DeltaError(
+                    f"{patch}:{i + 1}: {path}: hunk {k} ({lines[i]}) follows the end of the file"
+                )
+            hunk, i_next, ended = _parse_hunk(lines, i, patch, path, k)
+            old_at = _index(hunk.old_start, hunk.old_len)
+            new_at = _index(hunk.new_start, hunk.new_len)
+            name = f"{patch}:{i + 1}: {path}: hunk {k} ({hunk.header}) is misnumbered"
+            if old_at < old_end:
+                raise DeltaError(f"{name}: it starts before the end of hunk {k - 1}")
+            if new_at - old_at != shift:
+                want = old_at + shift + (1 if hunk.new_len else 0)
+                raise DeltaError(
+                    f"{name}: the hunks before it shift lines by {shift}, so its new range "
+                    f"should start at {want}, not {hunk.new_start}"
+                )
+            shift += hunk.new_len - hunk.old_len
+            old_end = old_at + hunk.old_len
+            hunks.append(hunk)
+            i = i_next
+        if i < len(lines) and not lines[i].startswith("--- "):
+            if hunks and lines[i][:1] in (" ", "-", "+", "\\"):
+                raise DeltaError(
+                    f"{patch}:{i + 1}: {path}: hunk {len(hunks)} ({hunks[-1].header}) has more "
+                    f"lines than its header counts: {lines[i]!r}"
+                )
+            raise DeltaError(
+                f"{patch}:{i + 1}: {path}: expected a hunk header or the next file's '--- ' "
+                f"line, found {lines[i]!r}"
+            )
+        if not hunks and plus[4:] != DEV_NULL:
+            raise DeltaError(f"{patch}:{section_line}: {path}: a section without hunks")
+        sections[path] = FileDelta(path, old_label, plus[4:], tuple(hunks))
+    return sections
+
+
+def _index(start: int, length: int) -> int:
+    """The 0-based index at which a hunk range begins."""
+    return start - 1 if length else start
+
+
+def _parse_hunk(lines: list[str], i: int, patch: str, path: str, k: int) -> tuple[Hunk, int, bool]:
+    """The hunk whose header is lines[i], the index after it, and whether it ends a file
+    that has no final newline."""
+    header = lines[i]
+    match = _HUNK_RE.fullmatch(header)
+    if match is None:
+        raise DeltaError(f"{patch}:{i + 1}: {path}: hunk {k}: bad hunk header {header!r}")
+    old_start, old_len, new_start, new_len = (
+        int(g) if g is not None else 1 for g in match.groups()
+    )
+    name = f"{path}: hunk {k} ({header})"
+    header_line = i + 1
+    if (old_len and not old_start) or (new_len and not new_start) or not (old_len or new_len):
+        raise DeltaError(f"{patch}:{i + 1}: {name} is misnumbered")
+    body: list[tuple[str, str]] = []
+    olds = news = 0
+    old_ended = new_ended = False
+    i += 1
+    while olds < old_len or news < new_len:
+        line = lines[i] if i < len(lines) else None
+        if line is None or line[:1] not in (" ", "-", "+"):
+            found = "the end of the patch" if line is None else repr(line)
+            raise DeltaError(
+                f"{patch}:{i + 1}: {name}: its body has {olds} old and {news} new lines where "
+                f"the header counts {old_len} and {new_len}; found {found}"
+            )
+        tag = line[0]
+        olds += tag != "+"
+        news += tag != "-"
+        if olds > old_len or news > new_len:
+            raise DeltaError(
+                f"{patch}:{i + 1}: {name}: its body has more "
+                f"{'old' if olds > old_len else 'new'} lines than the header counts"
+            )
+        if (tag != "+" and old_ended) or (tag != "-" and new_ended):
+            raise DeltaError(f"{patch}:{i + 1}: {name}: a line follows the end of the file")
+        i += 1
+        if i < len(lines) and lines[i] == NO_NEWLINE:
+            body.append((tag, line[1:]))
+            old_ended = old_ended or tag != "+"
+            new_ended = new_ended or tag != "-"
+            i += 1
+        else:
+            body.append((tag, line[1:] + "\n"))
+    if all(tag == " " for tag, _ in body):
+        raise DeltaError(f"{patch}:{header_line}: {name} changes nothing")
+    hunk = Hunk(header, old_start, old_len, new_start, new_len, tuple(body))
+    return hunk, i, old_ended or new_ended
+
+
+# ---------------------------------------------------------------------------- applying
+
+
+def check_successor(section: FileDelta, expected: str, patch: str) -> None:
+    """Fail unless the section's `+++` label is `expected`, the label the successor rule
+    gives now (a path added to or dropped from a later tree changes it)."""
+    if section.new_label != expected:
+        raise DeltaError(
+            f"{patch}: {section.path}: the delta is against {section.new_label} but the "
+            f"successor is now {expected}; the trees changed without the delta being "
+            f"re-derived ({RECORD_HINT})"
+        )
+
+
+def apply_reverse(
+    successor_text: str, hunks: Sequence[Hunk], *, patch: str, path: str, successor: str
+) -> str:
+    """Tree N's text from its successor's, by applying `hunks` in reverse, strictly.
+
+    Every hunk must fit at exactly the line its header names: its context and `+` lines must
+    equal the successor's there. `patch`, `path` and `successor` (the successor's label) name
+    things in the DeltaError raised when a hunk does not fit.
+    """
+    succ = split_lines(successor_text)
+    out: list[str] = []
+    pos = 0
+    for k, hunk in enumerate(hunks, 1):
+        where = f"{patch}: {path}: hunk {k} ({hunk.header})"
+        start = _index(hunk.new_start, hunk.new_len)
+        if start < pos or _index(hunk.old_start, hunk.old_len) != len(out) + start - pos:
+            raise DeltaError(f"{where} is misnumbered")
+        stale = f"the successor changed without its delta being re-derived ({RECORD_HINT})"
+        if start > len(succ):
+            raise DeltaError(
+                f"{where} does not fit {successor}: it starts after line {start}, but the "
+                f"successor has {len(succ)} lines; {stale}"
+            )
+        want = hunk.new_lines()
+        got = succ[start : start + len(want)]
+        if got != want:
+            bad = next((j for j, (w, g) in enumerate(zip(want, got)) if w != g), len(got))
+            found = _show(got[bad]) if bad < len(got) else "the end of the file"
+            raise DeltaError(
+                f"{where} does not fit {successor}: at line {start + bad + 1} it expects "
+                f"{_show(want[bad])} but finds {found}; {stale}"
+            )
+        old = hunk.old_lines()
+        end = start + len(want)
+        if old and not old[-1].endswith("\n") and end != len(succ):
+            raise DeltaError(
+                f"{where} does not fit {successor}: the hunk ends the file, but the successor "
+                f"goes on at line {end + 1} with {_show(succ[end])}; {stale}"
+            )
+        out += succ[pos:start]
+        out += old
+        pos = end
+    out += succ[pos:]
+    return "".join(out)
+
+
+def _show(line: str) -> str:
+    """A line for a message: its repr without the "\\n", or a note that it has none."""
+    if line.endswith("\n"):
+        return repr(line[:-1])
+    return f"{line!r} (no newline at end of file)"
