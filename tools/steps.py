@@ -1,11 +1,13 @@
 """Per-chapter build and check tool for the book (introduced with chapter 0).
 
-Chapter N lives in `chapters/chNN_slug/`; its `tree.toml` lists the files of "tree N", the
-code as it stands at the end of chapter N. This file is only the command line (COMMANDS below,
-`--help` for the options); the work is done by the package tools/book/.
+Chapter N lives in `chapters/chNN_slug/`: its `chapter.toml` and `delta.patch` describe "tree
+N", the code as it stands at the end of chapter N, as a reverse delta from the trees after it
+(the newest tree is the live code). This file is only the command line (COMMANDS below, `--help`
+for the options); the work is done by the package tools/book/.
 
-When chapter N edits a file that earlier chapters hold too: edit the live copy, then run
-`rehash N`, `freeze`, `pages N` and `check`.
+After editing the live code: `record`, then `pages` and `check`. After editing chapter N's
+main.py or skeleton: `record N`. To fix an older tree N: `build N DIR`, edit there, then
+`record N DIR`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from book.build import build, diff_text, freeze, rehash
+from book.build import build, diff_text, record
 from book.check import check
 from book.manifest import Book, StepsError
 from book.mutate import mutate
@@ -34,8 +36,7 @@ COMMANDS = {
     "pages": "regenerate the tree and output blocks of the pages",
     "mutate": "list chapter N's mutants, or run one against the tests",
     "bench": "run benchmark output ID in full and record its results file",
-    "rehash": "record tree N's current hashes",
-    "freeze": "store old copies of files edited by later chapters",
+    "record": "re-derive every delta keeping other trees; record tree N's digest (default newest)",
 }
 
 
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in COMMANDS.items():
         p = sub.add_parser(name, help=text)
-        if name in ("tree", "build", "diff", "run", "mutate", "bench", "rehash"):
+        if name in ("tree", "build", "diff", "run", "mutate", "bench"):
             p.add_argument("n", type=int, metavar="N")
         if name in ("check", "pages"):
             p.add_argument("n", type=int, nargs="*", metavar="N", help="default: every chapter")
@@ -55,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             default = BENCH_TIMEOUT if name == "bench" else DEFAULT_TIMEOUT
             p.add_argument("--timeout", type=float, default=default, help=text)
     sub.choices["build"].add_argument("dir", type=Path, metavar="DIR")
+    rec = sub.choices["record"]
+    rec.add_argument("n", type=int, nargs="?", metavar="N", help="default: the newest chapter")
+    rec.add_argument("dir", type=Path, nargs="?", metavar="DIR", help="tree N's new content")
     sub.choices["run"].add_argument("args", nargs=argparse.REMAINDER, help="after --: for main.py")
     sub.choices["mutate"].add_argument("name", nargs="?", metavar="NAME")
     sub.choices["bench"].add_argument("id", metavar="ID")
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{ch.number:2d}  {ch.slug:<16} {ch.title}  ({len(ch.files)} files, {ch.page})"
                 )
         elif args.command == "tree":
-            print("\n".join(tree_block(book.get(args.n))))
+            print("\n".join(tree_block(book, book.get(args.n))))
         elif args.command == "build":
             return build(book, args.n, args.dir)
         elif args.command == "diff":
@@ -105,10 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             return mutate(book, args.n, args.name, args.timeout)
         elif args.command == "bench":
             return bench(book, args.n, args.id, args.timeout)
-        elif args.command == "rehash":
-            return rehash(book, args.n)
-        elif args.command == "freeze":
-            return freeze(book)
+        elif args.command == "record":
+            return record(book, args.n, args.dir)
     except StepsError as exc:
         print(f"steps.py: error: {exc}", file=sys.stderr)
         return 2

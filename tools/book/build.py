@@ -1,13 +1,19 @@
-"""Writing tree N to a folder; diffing trees, recording hashes, freezing old copies (chapter 0)."""
+"""Writing tree N to a folder; diffing trees; `record`, which re-derives deltas and digests
+(chapter 0)."""
 
 from __future__ import annotations
 
+import atexit
 import difflib
+import io
+import shutil
 import subprocess
-import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
-from book.manifest import Book, Chapter, StepsError, git_blob_hash, write_manifest
+from book import delta
+from book.manifest import Book, Chapter, StepsError, live_rel, owned, tree_digest, write_digest
 
 
 def write_tree(book: Book, ch: Chapter, dest: Path) -> None:
@@ -74,44 +80,133 @@ def diff_text(book: Book, ch: Chapter) -> str:
     return "".join(out)
 
 
-def rehash(book: Book, number: int) -> int:
-    """`steps.py rehash N`: record tree N's current hashes and the statuses they imply."""
-    ch = book.get(number)
-    prev = book.previous_hashes(ch)
+def head_book(book: Book) -> Book:
+    """The book as committed at git HEAD, unpacked into a temporary folder (kept until exit)."""
+    tmp = Path(tempfile.mkdtemp(prefix="steps-record-head-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    try:
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", "HEAD"], cwd=book.root, capture_output=True
+        )
+    except FileNotFoundError:
+        raise StepsError("record needs git to recover older trees, and git is missing") from None
+    if archive.returncode != 0:
+        raise StepsError(f"git archive HEAD failed: {archive.stderr.decode(errors='replace')}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tmp, filter="data")
+    return Book(tmp)
+
+
+def target_tree(book: Book, ch: Chapter, head: list[Book | None]) -> dict[str, bytes]:
+    """Tree K as recorded: the working copy's when its digest matches, else git HEAD's."""
+    try:
+        tree = book.tree(ch)
+    except StepsError:
+        tree = None
+    if ch.digest is None and tree is not None:
+        return tree  # a chapter new to the book: what it materialises to now
+    if tree is not None and tree_digest(tree) == ch.digest:
+        return tree
+    if ch is book.chapters[-1]:
+        raise StepsError(
+            f"tree {ch.number} (newest) is the live code, which changed since it was recorded: "
+            f"run `steps.py record` first"
+        )
+    if head[0] is None:
+        head[0] = head_book(book)
+    try:
+        old = head[0].tree(head[0].get(ch.number))
+    except StepsError:
+        old = None
+    if old is None or tree_digest(old) != ch.digest:
+        raise StepsError(
+            f"tree {ch.number} matches its recorded digest neither in the working copy nor at "
+            f"git HEAD, so what it is meant to be is lost; `steps.py record {ch.number}` if its "
+            f"current content is right"
+        )
     for f in ch.files:
-        old = (f.hash, f.status)
-        f.hash = git_blob_hash(book.content(ch, f))
-        f.status = f.derived_status(prev)
-        if (f.hash, f.status) != old:
-            print(f"tree {number}: {f.path}: {old[1]} {old[0][:10]} -> {f.status} {f.hash[:10]}")
-    write_manifest(ch)
-    return 0
+        if owned(f.path) and f.path in old and old[f.path] != book.content_at(ch, f.path):
+            raise StepsError(
+                f"chapter {ch.number}: {f.path} changed since it was recorded: run `steps.py "
+                f"record {ch.number}` if that was meant"
+            )
+    return old
 
 
-def freeze(book: Book) -> int:
-    """`steps.py freeze`: store, from git, the recorded content of each file whose live copy a
-    later chapter edited."""
-    errors = []
-    for ch in book.chapters:
-        for f in ch.files:
-            stored, source = book.stored_path(ch, f), book.source(ch, f)
-            if source.is_file() and git_blob_hash(source.read_bytes()) == f.hash:
-                continue  # its own frozen copy, an earlier chapter's, or the live file
-            try:
-                cmd = ["git", "cat-file", "blob", f.hash]
-                got = subprocess.run(cmd, cwd=book.root, capture_output=True, check=False)
-            except FileNotFoundError:
-                raise StepsError("freeze needs git, which is not installed") from None
-            if got.returncode != 0 or git_blob_hash(got.stdout) != f.hash:
-                errors.append(
-                    f"chapter {ch.number}: {f.path}: git does not have the recorded blob {f.hash}, "
-                    f"so its old content is lost; restore it by hand into {book.rel(stored)}, or "
-                    f"run `steps.py rehash {ch.number}` if chapter {ch.number} was meant to change"
-                )
+def record(book: Book, number: int | None, src: Path | None) -> int:
+    """`steps.py record [N [DIR]]`: make tree N what it is now (or what DIR holds), keep every
+    other tree as recorded, re-derive every delta.patch and write N's digest."""
+    chapters = book.chapters
+    if not chapters:
+        raise StepsError("there are no chapters")
+    target = book.get(number) if number is not None else chapters[-1]
+    if src is not None and target is chapters[-1]:
+        raise StepsError(
+            f"tree {target.number} (newest) is the live code: edit it in place, then run "
+            f"`steps.py record`"
+        )
+    head: list[Book | None] = [None]
+    trees: list[dict[str, bytes]] = []
+    for ch in chapters:
+        if ch is not target:
+            trees.append(target_tree(book, ch, head))
+        elif src is None:
+            trees.append(book.tree(ch))
+        else:
+            missing = [f.path for f in ch.files if not (src / f.path).is_file()]
+            if missing:
+                raise StepsError(f"{src} lacks {', '.join(missing)} of tree {ch.number}")
+            trees.append({f.path: (src / f.path).read_bytes() for f in ch.files})
+    # chapter-owned files: a folder's own copy wherever the target differs from what it would
+    # inherit
+    for k, ch in enumerate(chapters):
+        for path, data in trees[k].items():
+            own = ch.folder / path
+            if not owned(path):
                 continue
-            stored.parent.mkdir(parents=True, exist_ok=True)
-            stored.write_bytes(got.stdout)
-            print(f"froze {book.rel(stored)}")
-    for error in errors:
-        print(f"steps.py: error: {error}", file=sys.stderr)
-    return 1 if errors else 0
+            inherited = trees[k - 1].get(path) if k else None
+            current = own.read_bytes() if own.is_file() else inherited
+            if current != data:
+                own.write_bytes(data)
+                print(f"wrote {book.rel(own)}")
+    # the deltas
+    for k, ch in enumerate(chapters):
+        files = {}
+        for path, data in trees[k].items():
+            if owned(path):
+                continue
+            if k + 1 < len(chapters) and path in trees[k + 1]:
+                succ, label = trees[k + 1][path], delta.tree_label(chapters[k + 1].number, path)
+            elif (book.root / live_rel(path)).is_file():
+                succ, label = (book.root / live_rel(path)).read_bytes(), f"repo/{live_rel(path)}"
+            else:
+                succ, label = b"", delta.DEV_NULL
+            where = f"tree {ch.number}: {path}"
+            try:
+                files[path] = (
+                    delta.decode_text(data, where),
+                    delta.decode_text(succ, label),
+                    label,
+                )
+            except delta.DeltaError as exc:
+                raise StepsError(str(exc)) from None
+        text = delta.encode_delta(ch.number, files).encode("utf-8")
+        old = ch.patch.read_bytes() if ch.patch.is_file() else b""
+        if text != old:
+            if text:
+                ch.patch.write_bytes(text)
+            else:
+                ch.patch.unlink()
+            print(f"wrote {book.rel(ch.patch)}" + ("" if text else " (removed: empty)"))
+    # digests: N's, and any chapter's that had none
+    for k, ch in enumerate(chapters):
+        digest = tree_digest(trees[k])
+        if (ch is target or ch.digest is None) and digest != ch.digest:
+            write_digest(ch, digest)
+            print(f"tree {ch.number}: digest {digest}")
+    # what was written must give back the target trees
+    again = Book(book.root)
+    for k, ch in enumerate(again.chapters):
+        if again.tree(ch) != trees[k]:
+            raise StepsError(f"record: tree {ch.number} does not come back as meant (a tool bug)")
+    return 0

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from book import pages
-from book.manifest import Book, Chapter, StepsError, git_blob_hash
+from book.manifest import Book, Chapter, StepsError
 from book.mutate import check_mutants
 from book.outputs import Block, Runner, check_blocks, compare_blocks, find_blocks, normalise
 from book.sandbox import RunResult, run_command, sandbox
@@ -20,16 +20,23 @@ PROPERTIES = {
     5: "page matches tree",
     6: "outputs match",
     7: "every file used",
-    8: "hashes recorded",
+    8: "tree recorded",
 }
 PAGE_WARNING_KB = 45  # a page above this is flagged (not failed): split it or trim it
 Verdict = tuple[str, list[str]]  # ("ok" | "FAIL" | "skipped" | "n/a", details)
 
 
 def check_python_tree(book: Book) -> list[str]:
-    """Property 4: the newest tree's minisgl/ equals python/minisgl/ byte for byte."""
+    """Property 4: the newest tree is the live code: the newest chapter has no delta, and its
+    minisgl/ paths are exactly the files under python/minisgl/."""
     ch = book.chapters[-1]
-    tree = {f.path.removeprefix("minisgl/"): f for f in ch.files if f.path.startswith("minisgl/")}
+    problems = []
+    if ch.patch.exists():
+        problems.append(
+            f"{book.rel(ch.patch)} exists, so tree {ch.number} (newest) would differ from the "
+            f"live code; the newest chapter has no delta: run `steps.py record`"
+        )
+    tree = {f.path.removeprefix("minisgl/") for f in ch.files if f.path.startswith("minisgl/")}
     base = book.root / "python" / "minisgl"
     live = {
         p.relative_to(base).as_posix()
@@ -38,21 +45,17 @@ def check_python_tree(book: Book) -> list[str]:
     }
     if not tree:
         extra = sorted(live - {"__init__.py"})
-        return [f"python/minisgl/{p} exists but tree {ch.number} has no minisgl/" for p in extra]
-    problems = [
-        f"python/minisgl/{p} is not in tree {ch.number} (newest); add it to "
-        f"chapters/{ch.folder.name}/tree.toml or delete it"
-        for p in sorted(live - tree.keys())
+        return problems + [
+            f"python/minisgl/{p} exists but tree {ch.number} has no minisgl/" for p in extra
+        ]
+    problems += [
+        f"python/minisgl/{p} is not in tree {ch.number} (newest); add minisgl/{p} to `new` in "
+        f"chapters/{ch.folder.name}/chapter.toml or delete it"
+        for p in sorted(live - tree)
     ]
     problems += [
         f"tree {ch.number} (newest) holds minisgl/{p} but python/minisgl/{p} is missing"
-        for p in sorted(tree.keys() - live)
-    ]
-    problems += [
-        f"minisgl/{p}: tree {ch.number} (newest) content differs from "
-        f"python/minisgl/{p}: drop its frozen copy or its src override"
-        for p in sorted(tree.keys() & live)
-        if book.content(ch, tree[p]) != (base / p).read_bytes()
+        for p in sorted(tree - live)
     ]
     return problems
 
@@ -66,7 +69,7 @@ def check_page(book: Book, ch: Chapter) -> list[str]:
     problems = []
     try:
         begin, end = pages.find_tree_block(lines)
-        body, want = [x.rstrip() for x in lines[begin + 1 : end]], pages.tree_block(ch)
+        body, want = [x.rstrip() for x in lines[begin + 1 : end]], pages.tree_block(book, ch)
         if body != want:
             diff = list(difflib.unified_diff(body, want, "page", "manifest", lineterm=""))
             problems.append(
@@ -97,29 +100,33 @@ def check_page(book: Book, ch: Chapter) -> list[str]:
     return problems
 
 
-def check_hashes(book: Book, ch: Chapter) -> list[str]:
-    """Property 8: recorded hashes equal the chapter-N content; status rules hold."""
-    prev, problems = book.previous_hashes(ch), []
-    for f in ch.files:
-        try:
-            actual = git_blob_hash(book.content(ch, f))
-        except StepsError:
-            continue  # reported by property 1
-        if actual != f.hash:
+def check_recorded(book: Book, ch: Chapter) -> list[str]:
+    """Property 8: tree N's digest equals the recorded one; an early path differs from its
+    successor (chapter N's delta has a section for it)."""
+    problems = []
+    try:
+        digest = book.digest(ch)
+    except StepsError:
+        digest = None  # reported by property 1
+    if ch.digest is None:
+        problems.append(
+            f"chapters/{ch.folder.name}/chapter.toml records no digest: run "
+            f"`steps.py record {ch.number}`"
+        )
+    elif digest is not None and digest != ch.digest:
+        problems.append(
+            f"tree {ch.number} changed: if chapter {ch.number} meant it, run `steps.py record "
+            f"{ch.number}`; if a later edit leaked in, run `steps.py record`"
+        )
+    try:
+        sections = book.delta(ch)
+    except StepsError:
+        sections = {}  # reported by property 1
+    for p in ch.early:
+        if p not in sections:
             problems.append(
-                f"{f.path}: its chapter-{ch.number} content ({book.rel(book.source(ch, f))}) "
-                f"changed but tree.toml still records the old hash: run `steps.py freeze` if a "
-                f"later chapter edited the live copy, or `steps.py rehash {ch.number}` if chapter "
-                f"{ch.number} itself was meant to change"
-            )
-        if f.status == "early" and not book.stored_path(ch, f).is_file():
-            problems.append(
-                f"{f.path}: status early needs a stored copy {book.rel(book.stored_path(ch, f))}"
-            )
-        elif f.status != f.derived_status(prev):
-            problems.append(
-                f"{f.path}: status {f.status} but it should be {f.derived_status(prev)} "
-                f"(compared with the previous tree); run `steps.py rehash {ch.number}`"
+                f"{p}: early, but tree {ch.number}'s copy equals its successor's "
+                f"({book.rel(ch.patch)} has no section for it)"
             )
     return problems
 
@@ -147,7 +154,7 @@ def check_chapter(
     def verdict(n: int, problems: list[str], note: str = "") -> None:
         verdicts[n] = ("FAIL", problems) if problems else ("ok", [note] if note else [])
 
-    missing = []
+    missing = book.delta_problems(ch)
     for f in ch.files:
         try:
             book.content(ch, f)
@@ -158,7 +165,7 @@ def check_chapter(
     if ch is book.chapters[-1]:
         verdict(4, check_python_tree(book))
     verdict(5, check_page(book, ch))
-    verdict(8, check_hashes(book, ch))
+    verdict(8, check_recorded(book, ch))
     mutants = check_mutants(book, ch)
     static = check_blocks(book, ch, blocks)
     if not run or missing:
@@ -214,7 +221,7 @@ def check(book: Book, numbers: list[int], run: bool, timeout: float) -> int:
     """`steps.py check [N ...]`: print every verdict, the pages' sizes and a summary."""
     chapters = [book.get(n) for n in numbers] if numbers else book.chapters
     if not chapters:
-        print(f"no chapters: no chapters/chNN_slug/tree.toml under {book.root}")
+        print(f"no chapters: no chapters/chNN_slug/chapter.toml under {book.root}")
     counts = {"ok": 0, "FAIL": 0, "skipped": 0, "n/a": 0}
     blocks = find_blocks(book)
     for ch in chapters:

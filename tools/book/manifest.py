@@ -1,18 +1,26 @@
-"""Chapter manifests (chapters/chNN_slug/tree.toml) and the Book that holds them (chapter 0).
+"""Chapter manifests (chapters/chNN_slug/chapter.toml) and the Book that holds them (chapter 0).
 
-Chapter N's tree lists the files of "tree N", the code as it stands at the end of chapter N. Each
-file's chapter-N content is its frozen copy `chapters/chNN_slug/files/<path>` when one exists,
-else its live copy in the repository.
+Chapter N's tree, "tree N", is the code as it stands at the end of chapter N. Its file list is
+the `new` and `gone` lists of chapters 0..N replayed. A top-level path (`main.py`, `skeleton.py`,
+`naive.py`) is chapter-owned: tree N reads `chapters/chNN_slug/<path>`, else tree N-1's copy.
+Any other path takes its successor's content (the same path in tree N+1 when tree N+1 holds it,
+else its live copy: `minisgl/...` is python/minisgl/..., anything else the same path at the
+repository root) and applies chapter N's `delta.patch` to it in reverse (tools/book/delta.py).
+The newest tree is therefore the live code. Statuses are computed, never stored; `digest`
+records what tree N is meant to be (`steps.py record`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomllib
+
+from book import delta
+from book.delta import DeltaError, FileDelta
 
 MARKS = {"new": "[新建]", "modified": "[修改]", "early": "[提前引入]", "same": "[未变]"}
 
@@ -26,20 +34,25 @@ def git_blob_hash(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+def tree_digest(tree: dict[str, bytes]) -> str:
+    """A tree's digest: sha1 over its sorted `blobhash path` lines."""
+    body = "".join(f"{git_blob_hash(data)} {path}\n" for path, data in sorted(tree.items()))
+    return hashlib.sha1(body.encode("utf-8")).hexdigest()
+
+
+def owned(path: str) -> bool:
+    """A chapter-owned path (main.py, skeleton.py, naive.py): stored whole in the folder."""
+    return "/" not in path
+
+
+def live_rel(path: str) -> str:
+    """Where a tree path's live copy sits, relative to the repository root."""
+    return "python/" + path if path.startswith("minisgl/") else path
+
+
 @dataclass
 class TreeFile:
     path: str  # path inside the materialised tree
-    status: str  # new | modified | early | same
-    hash: str  # git blob sha1 of the chapter-N content
-    src: str | None = None  # live location, when not the default one
-
-    def derived_status(self, previous: dict[str, str]) -> str:
-        """The status given tree N-1's recorded hashes (path -> hash); early is kept as is."""
-        if self.status == "early":
-            return "early"
-        if self.path not in previous:
-            return "new"
-        return "same" if previous[self.path] == self.hash else "modified"
 
 
 @dataclass
@@ -59,12 +72,20 @@ class Chapter:
     folder: Path
     files: list[TreeFile]
     outputs: list[Output]
+    digest: str | None = None  # of tree N, as recorded by `steps.py record`
+    new: list[str] = field(default_factory=list)  # paths tree N adds to tree N-1
+    gone: list[str] = field(default_factory=list)  # paths tree N drops from tree N-1
+    early: list[str] = field(default_factory=list)  # paths shown as [提前引入]
 
     def file(self, path: str) -> TreeFile | None:
         return next((f for f in self.files if f.path == path), None)
 
     def output(self, oid: str) -> Output | None:
         return next((o for o in self.outputs if o.id == oid), None)
+
+    @property
+    def patch(self) -> Path:
+        return self.folder / "delta.patch"
 
 
 def read_toml(path: Path, where: str) -> dict:
@@ -94,32 +115,51 @@ def check_rel_path(path: str, where: str) -> None:
         raise StepsError(f"{where}: {path!r} is not a plain relative path like 'minisgl/x.py'")
 
 
-TOP_KEYS = {"number": int, "slug": str, "title": str, "page": str, "file": list, "output": list}
-FILE_KEYS = {"path": str, "status": str, "hash": str, "src": str}
+def toml_string(text: str) -> str:
+    escapes = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t"}
+    out = (
+        escapes.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127 else c) for c in text
+    )
+    return '"' + "".join(out) + '"'
+
+
+TOP_KEYS = {
+    "title": str,
+    "page": str,
+    "digest": str,
+    "new": list,
+    "gone": list,
+    "early": list,
+    "output": list,
+}
 OUTPUT_KEYS = {"id": str, "cmd": list, "where": str, "results": str}
+FOLDER_RE = re.compile(r"ch([0-9]{2})_([\w-]+)")
+
+
+def path_list(top: dict, key: str, where: str) -> list[str]:
+    paths = top.get(key, [])
+    if not all(isinstance(p, str) for p in paths):
+        raise StepsError(f"{where}: {key!r} must be a list of paths")
+    for p in paths:
+        check_rel_path(p, f"{where}: {key}")
+    if len(set(paths)) != len(paths):
+        raise StepsError(f"{where}: {key!r} lists a path twice")
+    return paths
 
 
 def load_chapter(folder: Path) -> Chapter:
-    where = f"chapters/{folder.name}/tree.toml"
-    top = checked_table(read_toml(folder / "tree.toml", where), TOP_KEYS, {"file", "output"}, where)
-    number, slug = top["number"], top["slug"]
-    if folder.name != f"ch{number:02d}_{slug}":
-        raise StepsError(f"{where}: number and slug say ch{number:02d}_{slug}, unlike the folder")
-    ch = Chapter(number, slug, top["title"], top["page"], folder, [], [])
-    for i, table in enumerate(top.get("file", [])):
-        at = f"{where}: [[file]] #{i + 1}"
-        f = TreeFile(**checked_table(table, FILE_KEYS, {"src"}, at))
-        for path in (f.path, f.src or "x"):
-            check_rel_path(path, at)
-        if f.status not in MARKS:
-            raise StepsError(f"{at}: status must be one of {', '.join(MARKS)}")
-        if not re.fullmatch(r"[0-9a-f]{40}", f.hash):
-            raise StepsError(f"{at}: hash must be 40 hex digits (run `steps.py rehash {number}`)")
-        if ch.file(f.path):
-            raise StepsError(f"{at}: {f.path} is listed twice")
-        ch.files.append(f)
+    where = f"chapters/{folder.name}/chapter.toml"
+    m = FOLDER_RE.fullmatch(folder.name)
+    if m is None:
+        raise StepsError(f"{where}: the folder name is not chNN_slug")
+    opt = {"digest", "new", "gone", "early", "output"}
+    top = checked_table(read_toml(folder / "chapter.toml", where), TOP_KEYS, opt, where)
+    if "digest" in top and not re.fullmatch(r"[0-9a-f]{40}", top["digest"]):
+        raise StepsError(f"{where}: digest must be 40 hex digits (run `steps.py record`)")
+    ch = Chapter(int(m[1]), m[2], top["title"], top["page"], folder, [], [], top.get("digest"))
+    ch.new, ch.gone, ch.early = (path_list(top, k, where) for k in ("new", "gone", "early"))
     for i, table in enumerate(top.get("output", [])):
-        at = f"{where}: [[output]] #{i + 1}"
+        at = f"{where}: output #{i + 1}"
         out = Output(**checked_table(table, OUTPUT_KEYS, {"where", "results"}, at))
         if not out.cmd or not all(isinstance(a, str) for a in out.cmd):
             raise StepsError(f"{at}: cmd must be a non-empty list of strings")
@@ -135,27 +175,19 @@ def load_chapter(folder: Path) -> Chapter:
     return ch
 
 
-def toml_string(text: str) -> str:
-    escapes = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t"}
-    out = (
-        escapes.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127 else c) for c in text
-    )
-    return '"' + "".join(out) + '"'
-
-
-def write_manifest(ch: Chapter) -> None:
-    """Rewrite `tree.toml` with the keys in the documented order."""
-    q = toml_string
-    lines = [f"number = {ch.number}", f"slug = {q(ch.slug)}", f"title = {q(ch.title)}"]
-    lines.append(f"page = {q(ch.page)}")
-    for f in ch.files:
-        lines += ["", "[[file]]", f"path = {q(f.path)}", f"status = {q(f.status)}"]
-        lines += [f"hash = {q(f.hash)}"] + ([f"src = {q(f.src)}"] if f.src is not None else [])
-    for o in ch.outputs:
-        cmd = ", ".join(q(a) for a in o.cmd)
-        lines += ["", "[[output]]", f"id = {q(o.id)}", f"cmd = [{cmd}]", f"where = {q(o.where)}"]
-        lines += [f"results = {q(o.results)}"] if o.results is not None else []
-    (ch.folder / "tree.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+def write_digest(ch: Chapter, digest: str) -> None:
+    """Set `digest` in chapter.toml, leaving every other line as it is."""
+    path = ch.folder / "chapter.toml"
+    lines = path.read_text(encoding="utf-8").split("\n")
+    line = f"digest = {toml_string(digest)}  # of tree {ch.number}; written by steps.py"
+    at = next((i for i, x in enumerate(lines) if x.startswith("digest =")), None)
+    if at is None:
+        at = next((i + 1 for i, x in enumerate(lines) if x.startswith("page =")), 0)
+        lines.insert(at, line)
+    else:
+        lines[at] = line
+    path.write_text("\n".join(lines), encoding="utf-8")
+    ch.digest = digest
 
 
 class Book:
@@ -164,11 +196,30 @@ class Book:
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
         folders = sorted((self.root / "chapters").glob("ch[0-9][0-9]_*"))
-        chapters = [load_chapter(p) for p in folders if (p / "tree.toml").is_file()]
+        chapters = [load_chapter(p) for p in folders if (p / "chapter.toml").is_file()]
         self.chapters = sorted(chapters, key=lambda c: c.number)
         numbers = [c.number for c in self.chapters]
         if len(set(numbers)) != len(numbers):
             raise StepsError("two chapter folders have the same number")
+        self.paths: dict[int, set[str]] = {}
+        prev: set[str] = set()
+        for ch in self.chapters:
+            where = f"chapters/{ch.folder.name}/chapter.toml"
+            for p in ch.gone:
+                if p not in prev:
+                    raise StepsError(f"{where}: gone names {p}, which tree N-1 does not hold")
+            for p in ch.new:
+                if p in prev and p not in ch.gone:
+                    raise StepsError(f"{where}: new names {p}, which tree N-1 holds already")
+            paths = (prev - set(ch.gone)) | set(ch.new)
+            for p in ch.early:
+                if p not in paths:
+                    raise StepsError(f"{where}: early names {p}, which tree {ch.number} lacks")
+            ch.files = [TreeFile(p) for p in sorted(paths)]
+            self.paths[ch.number] = paths
+            prev = paths
+        self._deltas: dict[int, dict[str, FileDelta]] = {}
+        self._cache: dict[tuple[int, str], bytes] = {}
 
     def get(self, number: int) -> Chapter:
         for ch in self.chapters:
@@ -180,6 +231,10 @@ class Book:
         earlier = [c for c in self.chapters if c.number < ch.number]
         return earlier[-1] if earlier else None
 
+    def following(self, ch: Chapter) -> Chapter | None:
+        later = [c for c in self.chapters if c.number > ch.number]
+        return later[0] if later else None
+
     def pages(self) -> list[str]:
         """Every Markdown page under docs/ (chapter pages and the others), repo-relative."""
         return sorted(self.rel(p) for p in (self.root / "docs").rglob("*.md"))
@@ -187,48 +242,110 @@ class Book:
     def chapter_of_page(self, page: str) -> Chapter | None:
         return next((c for c in self.chapters if c.page == page), None)
 
-    def live_path(self, ch: Chapter, f: TreeFile) -> Path:
-        if f.src is not None:
-            return self.root / f.src
-        if f.path.startswith("minisgl/"):
-            return self.root / "python" / f.path
-        if f.path == "main.py":
-            return ch.folder / "main.py"
-        return self.root / f.path
-
-    def stored_path(self, ch: Chapter, f: TreeFile) -> Path:
-        return ch.folder / "files" / f.path
-
-    def source(self, ch: Chapter, f: TreeFile) -> Path:
-        """Where tree N's copy of f is read from: its own frozen copy; for a file the same as in
-        tree N-1, wherever tree N-1 reads it from (one frozen copy serves a run of chapters);
-        else the live file."""
-        stored = self.stored_path(ch, f)
-        if stored.is_file():
-            return stored
-        prev = self.previous(ch)
-        if f.status == "same" and prev is not None:
-            twin = next((g for g in prev.files if g.path == f.path and g.hash == f.hash), None)
-            if twin is not None:
-                return self.source(prev, twin)
-        return self.live_path(ch, f)
-
     def rel(self, path: Path) -> str:
         return (
             path.relative_to(self.root).as_posix() if path.is_relative_to(self.root) else str(path)
         )
 
-    def content(self, ch: Chapter, f: TreeFile) -> bytes:
-        path = self.source(ch, f)
-        try:
-            return path.read_bytes()
-        except OSError:
-            raise StepsError(
-                f"chapter {ch.number}: {f.path} has neither a frozen copy "
-                f"{self.rel(self.stored_path(ch, f))} nor a live copy {self.rel(path)}"
-            ) from None
+    def delta(self, ch: Chapter) -> dict[str, FileDelta]:
+        """Chapter N's delta.patch, parsed (empty when there is none); read as bytes."""
+        if ch.number not in self._deltas:
+            name = self.rel(ch.patch)
+            try:
+                self._deltas[ch.number] = (
+                    delta.read_patch(ch.patch, name) if ch.patch.is_file() else {}
+                )
+            except DeltaError as exc:
+                raise StepsError(str(exc)) from None
+        return self._deltas[ch.number]
 
-    def previous_hashes(self, ch: Chapter) -> dict[str, str]:
-        """The hashes recorded by the tree before tree N (path -> hash)."""
+    def successor(self, ch: Chapter, path: str) -> tuple[bytes, str]:
+        """(content, `+++` label) of the successor of tree N's `path`."""
+        nxt = self.following(ch)
+        if nxt is not None and path in self.paths[nxt.number]:
+            return self.content_at(nxt, path), delta.tree_label(nxt.number, path)
+        live = self.root / live_rel(path)
+        if live.is_file():
+            return live.read_bytes(), f"repo/{live_rel(path)}"
+        return b"", delta.DEV_NULL
+
+    def content_at(self, ch: Chapter, path: str) -> bytes:
+        """Tree N's content of `path` (memoised); StepsError when it cannot be made."""
+        key = (ch.number, path)
+        if key in self._cache:
+            return self._cache[key]
+        if path not in self.paths[ch.number]:
+            raise StepsError(f"tree {ch.number} has no {path}")
+        if owned(path):
+            own = ch.folder / path
+            prev = self.previous(ch)
+            if own.is_file():
+                data = own.read_bytes()
+            elif prev is not None and path in self.paths[prev.number]:
+                data = self.content_at(prev, path)
+            else:
+                raise StepsError(
+                    f"chapter {ch.number}: {path} has no copy {self.rel(own)} and tree "
+                    f"{ch.number - 1 if prev is None else prev.number} has none to inherit"
+                )
+        else:
+            succ, label = self.successor(ch, path)
+            section = self.delta(ch).get(path)
+            name = self.rel(ch.patch)
+            if section is None:
+                if label == delta.DEV_NULL:
+                    raise StepsError(
+                        f"chapter {ch.number}: {path} has no live copy {live_rel(path)}, no "
+                        f"later tree holds it, and {name} has no section for it"
+                    )
+                data = succ
+            else:
+                try:
+                    delta.check_successor(section, label, name)
+                    text = delta.decode_text(succ, label)
+                    data = delta.apply_reverse(
+                        text, section.hunks, patch=name, path=path, successor=label
+                    ).encode("utf-8")
+                except DeltaError as exc:
+                    raise StepsError(str(exc)) from None
+        self._cache[key] = data
+        return data
+
+    def content(self, ch: Chapter, f: TreeFile) -> bytes:
+        return self.content_at(ch, f.path)
+
+    def tree(self, ch: Chapter) -> dict[str, bytes]:
+        """Every file of tree N (path -> content)."""
+        return {f.path: self.content_at(ch, f.path) for f in ch.files}
+
+    def digest(self, ch: Chapter) -> str:
+        return tree_digest(self.tree(ch))
+
+    def statuses(self, ch: Chapter) -> dict[str, str]:
+        """path -> new | modified | same | early, computed against tree N-1."""
         prev = self.previous(ch)
-        return {f.path: f.hash for f in prev.files} if prev else {}
+        before = self.paths[prev.number] if prev is not None else set()
+        out = {}
+        for f in ch.files:
+            if f.path in ch.early:
+                out[f.path] = "early"
+            elif f.path not in before:
+                out[f.path] = "new"
+            else:
+                same = self.content_at(ch, f.path) == self.content_at(prev, f.path)
+                out[f.path] = "same" if same else "modified"
+        return out
+
+    def delta_problems(self, ch: Chapter) -> list[str]:
+        """Sections of chapter N's delta that name no non-owned path of tree N."""
+        try:
+            sections = self.delta(ch)
+        except StepsError as exc:
+            return [str(exc)]
+        name = self.rel(ch.patch)
+        return [
+            f"{name}: a section for {p}, which "
+            + ("is chapter-owned (stored whole)" if owned(p) else f"tree {ch.number} lacks")
+            for p in sections
+            if owned(p) or p not in self.paths[ch.number]
+        ]

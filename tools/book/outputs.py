@@ -1,10 +1,10 @@
 """The "运行结果" blocks of the pages: running, masking, comparing, regenerating (chapter 0).
 
 A block is a marker `<!-- output: ID -->` followed by a ```text fence. On chapter N's page ID
-names one of chapter N's outputs; on any page `N:ID` does. An output is an [[output]] of
-tree.toml, or `mutant:NAME`, the report of `steps.py mutate N NAME`. An output with `results`
-is a benchmark: its block shows the committed results file, which `steps.py bench N ID` writes;
-checks only run it with `--quick`, to see that it still works.
+names one of chapter N's outputs; on any page `N:ID` does. An output is an entry of the
+`output` list of chapter.toml, or `mutant:NAME`, the report of `steps.py mutate N NAME`. An
+output with `results` is a benchmark: its block shows the committed results file, which
+`steps.py bench N ID` writes; checks only run it with `--quick`, to see that it still works.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def regenerate(book: Book, chapters: list[Chapter], timeout: float, force: bool)
             begin, end = find_tree_block(read_lines(book, ch.page))
         except StepsError as exc:
             raise StepsError(f"{ch.page}: {exc}") from None
-        edits.setdefault(ch.page, []).append((begin + 1, end, tree_block(ch)))
+        edits.setdefault(ch.page, []).append((begin + 1, end, tree_block(book, ch)))
         with Runner(book, ch, timeout) as runner:
             for b in (b for b in blocks if b.chapter == ch.number):
                 try:

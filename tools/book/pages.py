@@ -166,12 +166,14 @@ def render_tree(marks: dict[str, str]) -> list[str]:
     return [f"{label:<{width}}{mark}".rstrip() for label, mark in rows]
 
 
-def tree_block(ch: Chapter) -> list[str]:
+def tree_block(book: Book, ch: Chapter) -> list[str]:
     """What goes between the tree markers: the new, modified and early files as the main tree,
-    then the unchanged ones in a folded admonition (mkdocs-material `???`)."""
-    changed = {f.path: MARKS[f.status] for f in ch.files if f.status != "same"}
+    then the unchanged ones in a folded admonition (mkdocs-material `???`). The statuses are
+    computed (Book.statuses)."""
+    statuses = book.statuses(ch)
+    changed = {p: MARKS[s] for p, s in statuses.items() if s != "same"}
     lines = ["```text", *render_tree(changed), "```"]
-    same = {f.path: "" for f in ch.files if f.status == "same"}
+    same = {p: "" for p, s in statuses.items() if s == "same"}
     if same:
         folded = ["```text", *render_tree(same), "```"]
         lines += ["", f'??? note "未变的文件（{len(same)} 个）"', ""] + ["    " + x for x in folded]

@@ -43,7 +43,7 @@ class TreeOnlyFinder:
         if spec is None:
             raise ModuleNotFoundError(
                 f"{{fullname}} is not in this chapter's tree ({{TREE}}): add the file to the "
-                "chapter's tree.toml, or do without it", name=fullname)
+                "`new` list of the chapter's chapter.toml, or do without it", name=fullname)
         return spec
 
 
