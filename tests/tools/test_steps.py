@@ -15,7 +15,6 @@ import pytest
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 STEPS = TOOLS / "steps.py"
-ZERO = "0" * 40
 
 
 def load_module(name: str, path: Path) -> ModuleType:
@@ -28,7 +27,7 @@ def load_module(name: str, path: Path) -> ModuleType:
 
 
 sys.path.insert(0, str(TOOLS))
-from book import outputs  # noqa: E402
+from book import delta, outputs  # noqa: E402
 
 # ---------------------------------------------------------------------------- the synthetic book
 
@@ -86,12 +85,12 @@ def test_engine(capsys):
 EXAMPLE = "def demo():\n    return 1\n"
 
 
-def manifest(number: int, slug: str, files: list[tuple[str, str, str | None]], outputs: str) -> str:
-    text = f'number = {number}\nslug = "{slug}"\ntitle = "第 {number} 章"\n'
-    text += f'page = "docs/ch{number:02d}-{slug}.md"\n'
-    for path, status, src in files:
-        text += f'\n[[file]]\npath = "{path}"\nstatus = "{status}"\nhash = "{ZERO}"\n'
-        text += f'src = "{src}"\n' if src else ""
+def manifest(number: int, slug: str, new: list[str], gone: list[str], outputs: str) -> str:
+    """A chapter.toml without a digest (the fixture's `record` writes it)."""
+    text = f'title = "第 {number} 章"\npage = "docs/ch{number:02d}-{slug}.md"\n'
+    for key, paths in (("new", new), ("gone", gone)):
+        if paths:
+            text += f"{key} = [\n" + "".join(f'  "{p}",\n' for p in paths) + "]\n"
     return text + outputs
 
 
@@ -208,27 +207,17 @@ def edit(root: Path, path: str, old: str, new: str) -> None:
 
 @pytest.fixture(scope="session")
 def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A healthy two-chapter book; its hashes come from `rehash`, its blocks from `pages`."""
+    """A healthy two-chapter book; its digests come from `record`, its blocks from `pages`."""
     root = tmp_path_factory.mktemp("book")
-    ch0 = [
-        ("main.py", "new", None),
-        ("naive.py", "new", "chapters/ch00_a/naive.py"),
-        ("minisgl/__init__.py", "new", None),
-        ("minisgl/util.py", "new", None),
-        ("tests/ch00/test_a.py", "new", None),
-    ]
-    ch1 = [
-        ("main.py", "modified", None),
-        ("minisgl/__init__.py", "same", None),
-        ("minisgl/util.py", "same", None),
-        ("minisgl/core.py", "new", None),
-        ("tests/ch01/test_b.py", "new", None),
-    ]
+    ch0 = ["main.py", "naive.py", "minisgl/__init__.py", "minisgl/util.py", "tests/ch00/test_a.py"]
+    ch1 = ["minisgl/core.py", "tests/ch01/test_b.py"]
     files = {
-        "chapters/ch00_a/tree.toml": manifest(0, "a", ch0, MAIN_OUTPUT),
+        "chapters/ch00_a/chapter.toml": manifest(0, "a", ch0, [], MAIN_OUTPUT),
         "chapters/ch00_a/main.py": CH0_MAIN,
         "chapters/ch00_a/naive.py": NAIVE,
-        "chapters/ch01_b/tree.toml": manifest(1, "b", ch1, MAIN_OUTPUT + DEMO_OUTPUT),
+        "chapters/ch01_b/chapter.toml": manifest(
+            1, "b", ch1, ["naive.py", "tests/ch00/test_a.py"], MAIN_OUTPUT + DEMO_OUTPUT
+        ),
         "chapters/ch01_b/main.py": CH1_MAIN,
         "python/minisgl/__init__.py": INIT,
         "python/minisgl/util.py": UTIL,
@@ -241,7 +230,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     for path, text in files.items():
         write(root, path, text)
-    for args in (["rehash", "0"], ["rehash", "1"], ["pages"]):
+    for args in (["record"], ["pages"]):
         done = steps_cmd(root, *args)
         assert done.returncode == 0, done.stdout + done.stderr
     return root
@@ -303,7 +292,7 @@ def test_masking_hides_timings_and_dates(repo: Path) -> None:
 
 def test_a_main_importing_a_module_outside_its_tree_fails(repo: Path) -> None:
     edit(repo, "chapters/ch00_a/main.py", "import naive\n", "import naive\nimport minisgl.core\n")
-    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    assert steps_cmd(repo, "record", "0").returncode == 0
     out = check_fails(
         repo, "0", expect={(0, 2), (0, 6)}, message="minisgl.core is not in this chapter's tree"
     )
@@ -318,7 +307,7 @@ def test_an_installed_minisgl_cannot_leak_in(repo: Path, tmp_path: Path) -> None
     write(site, "minisgl/core.py", "LEAKED = True\n")
     leak = f"import sys\nsys.path.insert(0, {str(site)!r})\nimport minisgl.core\n"
     edit(repo, "chapters/ch00_a/main.py", "import naive\n", leak + "import naive\n")
-    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    assert steps_cmd(repo, "record", "0").returncode == 0
     # Control: without the isolation the import succeeds.
     assert steps_cmd(repo, "build", "0", str(tmp_path / "built")).returncode == 0
     plain = subprocess.run(
@@ -359,12 +348,9 @@ def test_d_stale_output_fails(repo: Path) -> None:
 
 def test_e_unused_file_in_a_tree_fails(repo: Path) -> None:
     write(repo, "chapters/ch00_a/extra.py", "X = 1\n")
-    with (repo / "chapters/ch00_a/tree.toml").open("a", encoding="utf-8") as f:
-        f.write(
-            f'\n[[file]]\npath = "extra.py"\nstatus = "new"\nhash = "{ZERO}"\n'
-            'src = "chapters/ch00_a/extra.py"\n'
-        )
-    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    edit(repo, "chapters/ch00_a/chapter.toml", "new = [\n", 'new = [\n  "extra.py",\n')
+    edit(repo, "chapters/ch01_b/chapter.toml", "gone = [\n", 'gone = [\n  "extra.py",\n')
+    assert steps_cmd(repo, "record", "0").returncode == 0
     assert steps_cmd(repo, "pages", "0").returncode == 0
     check_fails(
         repo,
@@ -374,16 +360,30 @@ def test_e_unused_file_in_a_tree_fails(repo: Path) -> None:
     )
 
 
-def test_f_earlier_chapter_changed_under_its_manifest_fails(repo: Path) -> None:
+def test_f_a_leaked_live_edit_fails(repo: Path) -> None:
     edit(repo, "python/minisgl/util.py", "return", "return  # louder\n    return")
-    assert steps_cmd(repo, "rehash", "1").returncode == 0  # chapter 1 moved on
-    assert steps_cmd(repo, "pages", "1").returncode == 0
-    check_fails(repo, "--no-run", expect={(0, 8)}, message="run `steps.py freeze`")
+    message = "tree 0 changed: if chapter 0 meant it, run `steps.py record 0`; if a later edit"
+    check_fails(repo, "--no-run", expect={(0, 8), (1, 8)}, message=message)
+
+
+def test_f_a_stale_delta_fails_to_materialise(repo: Path) -> None:
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "book")
+    edit(repo, "python/minisgl/util.py", "return", "# chapter 1 polishes this\n    return")
+    assert steps_cmd(repo, "record").returncode == 0
+    edit(repo, "python/minisgl/util.py", "# chapter 1 polishes this", "# edited again")
+    check_fails(
+        repo,
+        "--no-run",
+        expect={(0, 1), (1, 5), (1, 8)},  # tree 1's block needs tree 0 to say what changed
+        message="hunk 1 (@@ -1,2 +1,3 @@) does not fit tree01/minisgl/util.py",
+    )
 
 
 def test_g_failing_chapter_test_fails(repo: Path) -> None:
     edit(repo, "tests/ch01/test_b.py", '"CHAPTER 1"', '"CHAPTER 2"')
-    assert steps_cmd(repo, "rehash", "1").returncode == 0
+    assert steps_cmd(repo, "record").returncode == 0
     check_fails(repo, "1", expect={(1, 3)}, message="pytest exited with 1")
 
 
@@ -393,9 +393,12 @@ def test_h_python_minisgl_differing_from_newest_tree_fails(repo: Path) -> None:
         repo, "--no-run", expect={(1, 4)}, message="python/minisgl/extra.py is not in tree 1"
     )
     (repo / "python/minisgl/extra.py").unlink()
-    write(repo, "chapters/ch01_b/files/minisgl/core.py", CORE + "# frozen\n")
-    assert steps_cmd(repo, "rehash", "1").returncode == 0
-    check_fails(repo, "--no-run", expect={(1, 4)}, message="content differs from python/minisgl")
+    label = "repo/python/minisgl/core.py"
+    patch = delta.encode_delta(1, {"minisgl/core.py": (CORE + "# frozen\n", CORE, label)})
+    write(repo, "chapters/ch01_b/delta.patch", patch)
+    check_fails(
+        repo, "--no-run", expect={(1, 4), (1, 8)}, message="the newest chapter has no delta"
+    )
 
 
 def test_i_include_of_a_missing_symbol_fails(repo: Path) -> None:
@@ -430,47 +433,66 @@ def git(root: Path, *args: str) -> None:
     )
 
 
-def test_freeze_recovers_the_old_blob_from_git(repo: Path) -> None:
+def test_record_after_a_live_edit_keeps_the_older_trees(repo: Path, tmp_path: Path) -> None:
     git(repo, "init", "-q")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "book")
     edit(repo, "python/minisgl/util.py", "return", "# chapter 1 polishes this\n    return")
-    assert steps_cmd(repo, "rehash", "1").returncode == 0
-    done = steps_cmd(repo, "freeze")
+    done = steps_cmd(repo, "record")
     assert done.returncode == 0, done.stderr
-    assert "froze chapters/ch00_a/files/minisgl/util.py" in done.stdout
-    assert (repo / "chapters/ch00_a/files/minisgl/util.py").read_text(encoding="utf-8") == UTIL
-    assert steps_cmd(repo, "pages", "1").returncode == 0
+    assert "wrote chapters/ch00_a/delta.patch" in done.stdout and "tree 1: digest" in done.stdout
+    assert "+++ tree01/minisgl/util.py" in (repo / "chapters/ch00_a/delta.patch").read_text()
+    assert steps_cmd(repo, "build", "0", str(tmp_path / "t0")).returncode == 0
+    assert (tmp_path / "t0/minisgl/util.py").read_text(encoding="utf-8") == UTIL
+    assert steps_cmd(repo, "pages", "1").returncode == 0  # util.py is now [修改] in tree 1
     done = steps_cmd(repo, "check")
     assert done.returncode == 0, done.stdout
 
 
-def test_freeze_errors_when_git_lacks_the_blob(repo: Path) -> None:
-    git(repo, "init", "-q")
+def test_record_fails_when_an_older_tree_is_lost(repo: Path) -> None:
+    git(repo, "init", "-q")  # nothing committed: HEAD cannot give tree 0 back
     edit(repo, "python/minisgl/util.py", "return", "# never committed\n    return")
-    done = steps_cmd(repo, "freeze")
-    assert done.returncode == 1
-    assert "chapter 0: minisgl/util.py: git does not have the recorded blob" in done.stderr
+    done = steps_cmd(repo, "record")
+    assert done.returncode == 2
+    want = "tree 0 matches its recorded digest neither in the working copy nor at git HEAD"
+    assert want in done.stderr
 
 
-def test_rehash_records_new_hashes_and_keeps_key_order(repo: Path) -> None:
+def test_record_n_dir_fixes_an_older_tree(repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "t0"
+    assert steps_cmd(repo, "build", "0", str(out)).returncode == 0
+    edit(out, "minisgl/util.py", "return", "# a fix in tree 0 only\n    return")
+    edit(out, "main.py", "print(", "# tree 0\nprint(")
+    done = steps_cmd(repo, "record", "0", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "wrote chapters/ch00_a/main.py" in done.stdout
+    assert "# tree 0" in (repo / "chapters/ch00_a/main.py").read_text(encoding="utf-8")
+    assert (repo / "python/minisgl/util.py").read_text(encoding="utf-8") == UTIL
+    for n, fixed in ((0, True), (1, False)):
+        assert steps_cmd(repo, "build", str(n), str(tmp_path / f"b{n}")).returncode == 0
+        util = (tmp_path / f"b{n}/minisgl/util.py").read_text(encoding="utf-8")
+        assert ("# a fix in tree 0 only" in util) == fixed
+    assert steps_cmd(repo, "pages").returncode == 0
+    done = steps_cmd(repo, "check", "--no-run")
+    assert done.returncode == 0, done.stdout
+
+
+def test_record_n_records_a_chapter_edit_and_keeps_the_other_lines(repo: Path) -> None:
     edit(repo, "chapters/ch00_a/naive.py", "hello", "hi")
-    check_fails(repo, "--no-run", expect={(0, 8)}, message="`steps.py rehash 0`")
-    done = steps_cmd(repo, "rehash", "0")
-    assert done.returncode == 0 and "tree 0: naive.py: new" in done.stdout
+    check_fails(repo, "--no-run", expect={(0, 8)}, message="run `steps.py record 0`")
+    before = (repo / "chapters/ch00_a/chapter.toml").read_text(encoding="utf-8")
+    done = steps_cmd(repo, "record", "0")
+    assert done.returncode == 0 and "tree 0: digest " in done.stdout
     assert steps_cmd(repo, "check", "--no-run").returncode == 0
-    text = (repo / "chapters/ch00_a/tree.toml").read_text(encoding="utf-8")
-    assert text.startswith('number = 0\nslug = "a"\ntitle = "第 0 章"\npage = "docs/ch00-a.md"\n')
-    assert '[[file]]\npath = "naive.py"\nstatus = "new"\nhash = "' in text
-    assert 'src = "chapters/ch00_a/naive.py"\n' in text
-    assert '[[output]]\nid = "main"\ncmd = ["python", "main.py"]\nwhere = "tree"\n' in text
+    after = (repo / "chapters/ch00_a/chapter.toml").read_text(encoding="utf-8")
+    changed = [(a, b) for a, b in zip(before.split("\n"), after.split("\n")) if a != b]
+    assert len(changed) == 1 and changed[0][1].startswith('digest = "')
+    assert after.startswith('title = "第 0 章"\npage = "docs/ch00-a.md"\ndigest = "')
 
 
-def test_status_rules_are_checked(repo: Path) -> None:
-    edit(repo, "chapters/ch01_b/tree.toml", 'status = "new"', 'status = "early"')
-    check_fails(
-        repo, "--no-run", "1", expect={(1, 5), (1, 8)}, message="status early needs a stored copy"
-    )
+def test_early_needs_a_difference_from_the_successor(repo: Path) -> None:
+    edit(repo, "chapters/ch01_b/chapter.toml", "new = [", 'early = ["minisgl/core.py"]\nnew = [')
+    check_fails(repo, "--no-run", "1", expect={(1, 5), (1, 8)}, message="early, but tree 1")
 
 
 def test_tree_prints_the_marked_tree(repo: Path) -> None:
@@ -533,7 +555,7 @@ def test_run_sees_models_and_passes_arguments(repo: Path) -> None:
         "print(",
         "import sys\nprint(open('models/hello.txt').read().strip(), sys.argv[1:])\nprint(",
     )
-    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    assert steps_cmd(repo, "record", "0").returncode == 0
     done = steps_cmd(repo, "run", "0", "--", "--flag")
     assert done.returncode == 0, done.stderr
     assert done.stdout == "weights ['--flag']\nHELLO FROM CHAPTER 0\n"
@@ -542,7 +564,7 @@ def test_run_sees_models_and_passes_arguments(repo: Path) -> None:
 def test_timeout_kills_the_main_and_what_it_started(repo: Path) -> None:
     hang = "import subprocess, time\nsubprocess.Popen(['sleep', '60'])\ntime.sleep(60)\n"
     edit(repo, "chapters/ch00_a/main.py", "import naive\n", hang + "import naive\n")
-    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    assert steps_cmd(repo, "record", "0").returncode == 0
     out = check_fails(
         repo, "0", "--timeout", "1", expect={(0, 2), (0, 6)}, message="main.py timed out after 1 s"
     )
@@ -584,7 +606,7 @@ def test_build_gives_a_tree_a_reader_can_run(repo: Path, tmp_path: Path) -> None
         repo, "chapters/ch00_a/main.py", "print(", "print(open('models/hello.txt').read())\nprint("
     )
     write(repo, "tests/ch00/test_a.py", TEST0_MAKER)
-    assert steps_cmd(repo, "rehash", "0").returncode == 0
+    assert steps_cmd(repo, "record", "0").returncode == 0
     out = tmp_path / "reader"
     done = steps_cmd(repo, "build", "0", str(out))
     assert done.returncode == 0, done.stderr
@@ -719,7 +741,7 @@ BENCH_OUTPUT = (
 
 def with_benchmark(repo: Path) -> Path:
     write(repo, "examples/bench.py", BENCH)
-    with (repo / "chapters/ch01_b/tree.toml").open("a", encoding="utf-8") as f:
+    with (repo / "chapters/ch01_b/chapter.toml").open("a", encoding="utf-8") as f:
         f.write(BENCH_OUTPUT)
     with (repo / "docs/ch01-b.md").open("a", encoding="utf-8") as f:
         f.write("\n<!-- output: speed -->\n```text\n```\n")
@@ -795,8 +817,8 @@ def test_check_prints_page_sizes_and_flags_big_pages(repo: Path) -> None:
 
 
 def test_a_manifest_may_have_no_outputs(repo: Path) -> None:
-    text = (repo / "chapters/ch01_b/tree.toml").read_text(encoding="utf-8")
-    write(repo, "chapters/ch01_b/tree.toml", text.split("\n[[output]]")[0])
+    text = (repo / "chapters/ch01_b/chapter.toml").read_text(encoding="utf-8")
+    write(repo, "chapters/ch01_b/chapter.toml", text.split("\n[[output]]")[0])
     done = steps_cmd(repo, "list")
     assert done.returncode == 0, done.stderr
     check_fails(repo, "--no-run", "1", expect={(1, 6)}, message="chapter 1 has no output 'main'")

@@ -112,17 +112,18 @@ def target_tree(book: Book, ch: Chapter, head: list[Book | None]) -> dict[str, b
             f"tree {ch.number} (newest) is the live code, which changed since it was recorded: "
             f"run `steps.py record` first"
         )
-    if head[0] is None:
-        head[0] = head_book(book)
+    why = ""
     try:
+        if head[0] is None:
+            head[0] = head_book(book)
         old = head[0].tree(head[0].get(ch.number))
-    except StepsError:
-        old = None
+    except StepsError as exc:
+        old, why = None, f" ({exc})"
     if old is None or tree_digest(old) != ch.digest:
         raise StepsError(
             f"tree {ch.number} matches its recorded digest neither in the working copy nor at "
-            f"git HEAD, so what it is meant to be is lost; `steps.py record {ch.number}` if its "
-            f"current content is right"
+            f"git HEAD{why}, so what it is meant to be is lost; `steps.py record {ch.number}` "
+            f"if its current content is right"
         )
     for f in ch.files:
         if owned(f.path) and f.path in old and old[f.path] != book.content_at(ch, f.path):
@@ -131,6 +132,19 @@ def target_tree(book: Book, ch: Chapter, head: list[Book | None]) -> dict[str, b
                 f"record {ch.number}` if that was meant"
             )
     return old
+
+
+def live_tree(book: Book, ch: Chapter) -> dict[str, bytes]:
+    """The newest tree by definition: the live code, whatever its chapter's delta says."""
+    tree = {}
+    for f in ch.files:
+        if owned(f.path):
+            tree[f.path] = book.content_at(ch, f.path)
+        elif (book.root / live_rel(f.path)).is_file():
+            tree[f.path] = (book.root / live_rel(f.path)).read_bytes()
+        else:
+            raise StepsError(f"tree {ch.number} (newest) holds {f.path}, which has no live copy")
+    return tree
 
 
 def record(book: Book, number: int | None, src: Path | None) -> int:
@@ -150,6 +164,8 @@ def record(book: Book, number: int | None, src: Path | None) -> int:
     for ch in chapters:
         if ch is not target:
             trees.append(target_tree(book, ch, head))
+        elif src is None and ch is chapters[-1]:
+            trees.append(live_tree(book, ch))
         elif src is None:
             trees.append(book.tree(ch))
         else:
