@@ -1,13 +1,17 @@
-"""The host's cost of calling one of our kernels, the kernel itself left out (chapter 21).
+"""The host's cost of calling one of our kernels (chapter 21).
 
-Builds a library whose functions have our kernels' names and return at once, opens it the way
-kernel/cuda.py opens ours (the same ctypes argument types), and times each Python wrapper of
-kernel/cuda.py at the shapes of one Qwen3-0.6B layer in a 650-token prefill. What remains is
-the wrapper's work: the output's allocation, the data pointers, ctypes' conversion of a dozen
-arguments. Runs on a CPU (a C compiler is needed); the tensors are CPU tensors, so the
-allocations are the CPU allocator's, not CUDA's caching allocator.
+On a CPU: builds a library whose functions have our kernels' names and return at once, opens
+it the way kernel/cuda.py opens ours (the same ctypes argument types), and times each Python
+wrapper of kernel/cuda.py at the shapes of one Qwen3-0.6B layer in a 650-token prefill. What
+remains is the wrapper's work: the output's allocation, the data pointers, ctypes' conversion
+of a dozen arguments. A C compiler is needed; the tensors are CPU tensors, so the allocations
+are the CPU allocator's, not CUDA's caching allocator.
 
-    python benchmark/call_cost.py
+With --gpu: the real kernels on CUDA tensors, the GPU idle, beside the FlashInfer calls the
+official makes in the same places (in place, as it calls them) and beside torch.empty and
+F.linear: host microseconds per call, the kernels' own time not waited for.
+
+    python benchmark/call_cost.py [--gpu]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,11 +45,16 @@ def noop_library(folder: Path) -> Path:
     return out
 
 
-def us_per_call(f: Callable[[], object], calls: int = 200, rounds: int = 30) -> float:
+def us_per_call(f: Callable[[], object], calls: int = 200, rounds: int = 30,
+                sync: bool = False) -> float:
+    """Median over rounds of the host time per call; with sync, the GPU drains between rounds
+    (and not inside one), so no call waits for a full launch queue."""
     for _ in range(calls):
         f()
     times = []
     for _ in range(rounds):
+        if sync:
+            torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(calls):
             f()
@@ -53,18 +63,22 @@ def us_per_call(f: Callable[[], object], calls: int = 200, rounds: int = 30) -> 
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        lib = cuda.open_library(noop_library(Path(tmp)))
-    cuda.load = lambda emulate: lib  # every wrapper now reaches the no-op functions
-    bf16 = dict(dtype=torch.bfloat16)
+    gpu = "--gpu" in sys.argv[1:]
+    if not gpu:
+        with tempfile.TemporaryDirectory() as tmp:
+            lib = cuda.open_library(noop_library(Path(tmp)))
+        cuda.load = lambda emulate: lib  # every wrapper now reaches the no-op functions
+    bf16 = dict(dtype=torch.bfloat16, device="cuda" if gpu else "cpu")
     x, residual = torch.randn(TOKENS, HIDDEN, **bf16), torch.randn(TOKENS, HIDDEN, **bf16)
     weight, head_weight = torch.randn(HIDDEN, **bf16), torch.randn(HEAD, **bf16)
     q = torch.randn(TOKENS, QO_HEADS * HEAD, **bf16)
     k = torch.randn(TOKENS, KV_HEADS * HEAD, **bf16)
-    table, positions = torch.randn(4096, HEAD), torch.arange(TOKENS, dtype=torch.int32)
+    dev = bf16["device"]  # not torch.set_default_device: its hook would slow every call timed
+    table = torch.randn(4096, HEAD, device=dev)
+    positions = torch.arange(TOKENS, dtype=torch.int32, device=dev)
     gate_up = torch.randn(TOKENS, 2 * INTER, **bf16)
     cache = torch.empty(4096, KV_HEADS, HEAD, **bf16)
-    slots = torch.arange(TOKENS, dtype=torch.int32)
+    slots = torch.arange(TOKENS, dtype=torch.int32, device=dev)
     k_heads = k.view(TOKENS, KV_HEADS, HEAD)
     # one layer's calls, in the order a Qwen3 layer makes them
     layer = [("fused_add_rms_norm (input norm)",
@@ -77,15 +91,59 @@ def main() -> None:
              ("fused_add_rms_norm (post-attention norm)",
               lambda: cuda.fused_add_rms_norm(x, residual, weight, 1e-6)),
              ("silu_and_mul", lambda: cuda.silu_and_mul(gate_up))]
+    if gpu:
+        return compare_on_gpu(layer, x, residual, weight, head_weight, q, k, positions, gate_up)
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}: host us "
           f"per call of our kernel wrappers, the kernel a no-op ({TOKENS} tokens)")
+    report(layer)
+
+
+def report(calls: list[tuple[str, Callable[[], object]]], sync: bool = False) -> float:
     total = 0.0
-    for name, f in layer:
-        us = us_per_call(f)
+    for name, f in calls:
+        us = us_per_call(f, sync=sync)
         total += us
         print(f"  {name:42} {us:6.2f}")
-    print(f"  {'one layer (7 calls)':42} {total:6.2f}")
+    print(f"  {f'one layer ({len(calls)} calls)':42} {total:6.2f}")
     print(f"  {'28 layers':42} {28 * total / 1e3:6.2f} ms")
+    return total
+
+
+def compare_on_gpu(layer: list[tuple[str, Callable[[], object]]], x: torch.Tensor,
+                   residual: torch.Tensor, weight: torch.Tensor, head_weight: torch.Tensor,
+                   q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                   gate_up: torch.Tensor) -> None:
+    import flashinfer
+
+    cos_sin = torch.randn(4096, HEAD, device=x.device)
+    pos64 = positions.long()
+    official = [
+        ("fused_add_rmsnorm (input norm)",
+         lambda: flashinfer.fused_add_rmsnorm(x, residual, weight, 1e-6)),
+        ("rmsnorm in place (q heads)",
+         lambda: flashinfer.rmsnorm(q.view(TOKENS, QO_HEADS, HEAD), head_weight, 1e-6,
+                                    out=q.view(TOKENS, QO_HEADS, HEAD))),
+        ("rmsnorm in place (k heads)",
+         lambda: flashinfer.rmsnorm(k.view(TOKENS, KV_HEADS, HEAD), head_weight, 1e-6,
+                                    out=k.view(TOKENS, KV_HEADS, HEAD))),
+        ("apply_rope_with_cos_sin_cache_inplace",
+         lambda: flashinfer.apply_rope_with_cos_sin_cache_inplace(
+             positions=pos64, query=q, key=k, head_size=HEAD, cos_sin_cache=cos_sin)),
+        ("fused_add_rmsnorm (post-attention norm)",
+         lambda: flashinfer.fused_add_rmsnorm(x, residual, weight, 1e-6)),
+        ("silu_and_mul", lambda: flashinfer.silu_and_mul(gate_up))]
+    w_qkv = torch.randn((QO_HEADS + 2 * KV_HEADS) * HEAD, HIDDEN, dtype=x.dtype, device=x.device)
+    torch_ops = [("torch.empty (one output)", lambda: torch.empty_like(x)),
+                 ("F.linear (qkv, same rows)",
+                  lambda: torch.nn.functional.linear(x, w_qkv))]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer "
+          f"{flashinfer.__version__}: host us per call, the GPU idle ({TOKENS} tokens)")
+    print("ours (kernel/cuda.py, through ctypes):")
+    report(layer, sync=True)
+    print("FlashInfer, as the official calls it (no store_cache: its kernel is the official's):")
+    report(official, sync=True)
+    print("torch:")
+    report(torch_ops, sync=True)
 
 
 if __name__ == "__main__":
