@@ -144,6 +144,42 @@ def compare_on_gpu(layer: list[tuple[str, Callable[[], object]]], x: torch.Tenso
     report(official, sync=True)
     print("torch:")
     report(torch_ops, sync=True)
+    breakdown(x, head_weight, k)
+
+
+def breakdown(x: torch.Tensor, weight: torch.Tensor, k: torch.Tensor) -> None:
+    """One call (rms_norm over k's heads) taken apart: the whole wrapper, the bare library call
+    with its arguments made once, the same call into a no-op library (ctypes alone on this
+    CPU), the output's allocation; and each kernel's GPU time (CUDA events, 200 calls)."""
+    import flashinfer
+
+    heads = k.view(TOKENS, KV_HEADS, HEAD)
+    out = torch.empty_like(heads)
+    lib = cuda.load(False)
+    with tempfile.TemporaryDirectory() as tmp:
+        noop = cuda.open_library(noop_library(Path(tmp)))
+    stream = torch.cuda.current_stream().cuda_stream
+    args = (out.data_ptr(), None, heads.data_ptr(), None, weight.data_ptr(),
+            cuda.DTYPES[heads.dtype], *cuda._rows(heads), HEAD, 1e-6, stream)
+    parts = [("the wrapper, cuda.rms_norm", lambda: cuda.rms_norm(heads, weight, 1e-6)),
+             ("bare lib.rms_norm, arguments made once", lambda: lib.rms_norm(*args)),
+             ("no-op library, the same arguments", lambda: noop.rms_norm(*args)),
+             ("torch.empty_like (the output)", lambda: torch.empty_like(heads)),
+             ("flashinfer.rmsnorm, out given",
+              lambda: flashinfer.rmsnorm(heads, weight, 1e-6, out=out))]
+    print("one call taken apart (rms_norm, k heads): host us per call")
+    for name, f in parts:
+        print(f"  {name:42} {us_per_call(f, sync=True):6.2f}")
+    print("GPU us per kernel (CUDA events over 200 calls):")
+    for name, f in (parts[1], parts[4]):
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(200):
+            f()
+        end.record()
+        end.synchronize()
+        print(f"  {name:42} {1e3 * begin.elapsed_time(end) / 200:6.2f}")
 
 
 if __name__ == "__main__":
