@@ -1,6 +1,7 @@
 """Chapter 21: the kernels the profile sent back to work, on the CPU emulator. 16-byte loads where
 rows and pointers allow and the old one-element path where they do not, a warp per short row,
-and the draw of a token from logits in one pass (its frequencies against the float64 softmax).
+Qwen3's q/k norms fused with the rotation, and the draw of a token from logits in one pass
+(its frequencies against the float64 softmax).
 The H200 side (bit-equality with torch's ops, times) is tools/gpu_check.py kernels/sampler."""
 
 from __future__ import annotations
@@ -105,6 +106,58 @@ def test_rope_wide_and_narrow(dtype: torch.dtype, dim: int) -> None:
         x = x.double().view(tokens, -1, dim)
         x1, x2 = x[..., :dim // 2], x[..., dim // 2:]
         want = torch.cat([x1 * a.cos() - x2 * a.sin(), x2 * a.cos() + x1 * a.sin()], -1)
+        assert torch.allclose(got.double().view_as(want), want, rtol=tol, atol=tol)
+
+
+def _qk(dtype: torch.dtype, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q and k as views of a merged qkv (7 tokens, 3 q heads, 2 kv heads: 35 rows, not a
+    multiple of 4 warps), their norms' weights, positions of both index types, a table."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(7, (3 + 2 * 2) * dim, generator=g) * 3).to(dtype)
+    q, k = qkv[:, :3 * dim], qkv[:, 3 * dim:5 * dim]
+    wq, wk = (torch.randn(dim, generator=g).to(dtype) for _ in range(2))
+    inv = 1.0 / 10_000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    table = torch.outer(torch.arange(64, dtype=torch.float64), inv)
+    table = torch.cat([table.cos(), table.sin()], -1).float()
+    return q, k, wq, wk, torch.tensor([0, 5, 63, 2, 9, 40, 1]), table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dim", [32, 128])
+@pytest.mark.parametrize("index", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_qk_norm_rope_is_the_three_kernels_bit_for_bit(dtype: torch.dtype, dim: int,
+                                                       index: torch.dtype) -> None:
+    """The fused launch against rms_norm of q's heads, of k's heads, then rope: the same bits
+    on 16-byte packs and, one element off a boundary, on the narrow path, wherever rms_norm
+    gives a head a warp (at most 64 loads a row: not float32 heads of 128 one by one, whose
+    sum of squares it adds in another order, so equal there to float32 rounding)."""
+    q, k, wq, wk, positions, table = _qk(dtype, dim, seed=dim + len(str(dtype)))
+    positions = positions.to(index)
+    for qq, kk, exact in ((q, k, True), (_unaligned(q), _unaligned(k),
+                                         dtype == torch.bfloat16 or dim <= 64)):
+        got = cuda.qk_norm_rope(positions, qq, kk, wq, wk, 1e-6, table)
+        normed = (cuda.rms_norm(qq.view(7, 3, dim), wq, 1e-6),
+                  cuda.rms_norm(kk.view(7, 2, dim), wk, 1e-6))
+        want = cuda.rope(positions, *normed, table, dim)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            assert torch.equal(a, b) if exact else _close(a, b.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_qk_norm_rope_against_float64(dtype: torch.dtype) -> None:
+    """Heads of 12 (half 6: no pack divides it): the norm and the rotation written out in
+    float64."""
+    dim = 12
+    q, k, wq, wk, positions, table = _qk(dtype, dim, seed=4)
+    angles = table.double()[positions][:, None, :]
+    cos, sin = angles[..., :dim // 2], angles[..., dim // 2:]
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -5  # bf16: the norm's and rope's roundings
+    for x, w, got in zip((q, k), (wq, wk), cuda.qk_norm_rope(positions, q, k, wq, wk, 1e-6,
+                                                              table)):
+        x = _rms_norm64(x.view(7, -1, dim), w)
+        x1, x2 = x[..., :dim // 2], x[..., dim // 2:]
+        want = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
         assert torch.allclose(got.double().view_as(want), want, rtol=tol, atol=tol)
 
 

@@ -90,6 +90,13 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return cuda.rope(positions, q, k, cos_sin_cache, cos_sin_cache.shape[-1])
 
 
+def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our kernel for Qwen3's q/k norms and the rotation in one launch, for when ours(q)."""
+    return cuda.qk_norm_rope(positions, q, k, q_weight, k_weight, eps, cos_sin_cache)
+
+
 def store_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor) -> None:
     (cuda if ours(k) else reference).store_cache(k_cache, v_cache, indices, k, v)
@@ -102,6 +109,7 @@ __all__ = [
     "embedding",
     "fused_add_rms_norm",
     "ours",
+    "qk_norm_rope",
     "rms_norm",
     "rope",
     "rope_cos_sin",

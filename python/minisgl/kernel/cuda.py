@@ -77,6 +77,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i64, i64, i64, i64, i64, f32, ptr]
     lib.rope.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i32, i32, i32,
                          ptr]
+    lib.qk_norm_rope.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i64, i64,
+                                 i64, i32, i32, i32, f32, ptr]
     lib.silu_and_mul.argtypes = [ptr, ptr, i32, i64, i64, ptr]
     lib.sample.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, u64, u64, ptr]
     return lib
@@ -181,6 +183,26 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch
     _call(q, "rope", q_out.data_ptr(), k_out.data_ptr(), q.data_ptr(), k.data_ptr(),
           table.data_ptr(), positions.data_ptr(), DTYPES[q.dtype], positions.element_size(),
           tokens, q.stride(0), k.stride(0), hq, hk, head_dim)
+    return q_out, k_out
+
+
+def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope(positions, rms_norm(q heads, q_weight), rms_norm(k heads, k_weight)) in one launch,
+    equal to those three calls: q [T, Hq*D] and k [T, Hk*D] (views of the merged qkv), table
+    [max_position, D] float32; returns new contiguous [T, Hq*D] and [T, Hk*D]."""
+    head_dim = table.shape[-1]
+    for x in (q, k):
+        assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] % head_dim == 0
+    assert table.dtype == torch.float32 and positions.dtype in (torch.int32, torch.int64)
+    tokens = q.shape[0]
+    q_out = torch.empty(tokens, q.shape[1], dtype=q.dtype, device=q.device)
+    k_out = torch.empty(tokens, k.shape[1], dtype=k.dtype, device=k.device)
+    _call(q, "qk_norm_rope", q_out.data_ptr(), k_out.data_ptr(), q.data_ptr(), k.data_ptr(),
+          q_weight.data_ptr(), k_weight.data_ptr(), table.data_ptr(), positions.data_ptr(),
+          DTYPES[q.dtype], positions.element_size(), tokens, q.stride(0), k.stride(0),
+          q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim, eps)
     return q_out, k_out
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from minisgl.core import forward_count
-from minisgl.kernel import apply_rope_with, ours, rope, rope_cos_sin
+from minisgl.kernel import apply_rope_with, ours, qk_norm_rope, rope, rope_cos_sin
 
 from .base import StateLessOP
+from .norm import RMSNorm
 
 
 class RotaryEmbedding(StateLessOP):
@@ -32,11 +33,28 @@ class RotaryEmbedding(StateLessOP):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos_sin_cache.device != positions.device:
-            self._cos_sin_cache = self._cos_sin_cache.to(positions.device)
+        self._table_on(positions.device)
         if ours(q):  # one kernel, which reads its table rows itself (chapter 19)
             return rope(positions, q, k, self._cos_sin_cache)
         key = (positions, forward_count(), q.dtype)
         if self._key is None or self._key[0] is not positions or self._key[1:] != key[1:]:
             self._key, self._looked_up = key, rope_cos_sin(positions, self._cos_sin_cache, q.dtype)
         return apply_rope_with(q, k, *self._looked_up)
+
+    def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                        q_norm: RMSNorm, k_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's order: each head of q and k through its RMSNorm, then rotated. With our
+        kernels that is one launch instead of three (a launch costs the host more than these
+        kernels cost the GPU); the result is the same."""
+        d = self._cos_sin_cache.shape[-1]
+        if ours(q) and q.dim() == 2 and q_norm.eps == k_norm.eps:
+            self._table_on(positions.device)
+            return qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps,
+                                self._cos_sin_cache)
+        q = q_norm.forward(q.reshape(len(q), -1, d))
+        k = k_norm.forward(k.reshape(len(k), -1, d))
+        return self.forward(positions, q, k)
+
+    def _table_on(self, device: torch.device) -> None:
+        if self._cos_sin_cache.device != device:
+            self._cos_sin_cache = self._cos_sin_cache.to(device)

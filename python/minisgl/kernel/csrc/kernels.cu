@@ -1,7 +1,9 @@
 // The engine's own CUDA kernels (chapter 19): the KV store (one warp per token), the embedding of
 // a vocabulary range (tensor parallelism, chapter 16), RMSNorm with the residual add fused in,
 // rotary embedding and SiLU-and-mul; chapter 21 moves 16 bytes per load where the data allows,
-// gives short rows (Qwen3's q/k norms) a warp each, and adds the draw of a token from logits.
+// gives short rows (Qwen3's q/k norms) a warp each, fuses those norms with the rotary embedding
+// (one launch for three: a launch costs the host more than these kernels cost the GPU), and adds
+// the draw of a token from logits.
 // The same source runs on the CPU emulator (emu.h); the tests check it against plain-torch
 // references, the H200 against torch's own ops.
 //
@@ -163,6 +165,56 @@ __global__ void rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out, const 
     for (int i = 0; i < N; ++i) {
       const float c = round_to<T>(angle[j + i]), s = round_to<T>(angle[half + j + i]);
       const float x1 = to_float(a.v[i]), x2 = to_float(b.v[i]);
+      lo.v[i] = from_float<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
+      hi.v[i] = from_float<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
+    }
+    *reinterpret_cast<P*>(out + j) = lo;
+    *reinterpret_cast<P*>(out + j + half) = hi;
+  }
+}
+
+// Qwen3's q/k norms and the rotary embedding in one pass: a warp per (token, head) row, rows in
+// token order, q's heads then k's. The row is normalised with its weight (q_weight or k_weight)
+// and rounded to T as rms_norm_kernel rounds it, then rotated as rope_kernel rotates, so the
+// result is theirs bit for bit (where rms_norm_kernel gives the row a warp: D / N <= 64); one
+// launch instead of three. Each lane then takes N consecutive pairs (j, j + D/2) at a time; a
+// warp past the last row still joins the shuffle.
+template <typename T, int N, typename Position>
+__global__ void qk_norm_rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out,
+                                    const T* __restrict__ q, const T* __restrict__ k,
+                                    const T* __restrict__ q_weight, const T* __restrict__ k_weight,
+                                    const float* __restrict__ table,
+                                    const Position* __restrict__ positions, int64_t tokens,
+                                    int64_t q_stride, int64_t k_stride, int q_heads, int k_heads,
+                                    int head_dim, float eps) {
+  using P = Pack<T, N>;
+  const int heads = q_heads + k_heads, half = head_dim / 2;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
+  const unsigned lane = threadIdx.x % kWarp;
+  const int groups = row < tokens * heads ? half / N : 0;
+  const int64_t t = row / heads;
+  const int head = int(row % heads);
+  const bool is_q = head < q_heads;
+  const int h = is_q ? head : head - q_heads;
+  const T* in = is_q ? q + t * q_stride + h * head_dim : k + t * k_stride + h * head_dim;
+  T* out = is_q ? q_out + (t * q_heads + h) * head_dim : k_out + (t * k_heads + h) * head_dim;
+  const T* w = is_q ? q_weight : k_weight;
+  float squares = 0.0f;  // summed in rms_norm_kernel's order (a lane per pack), so equal to it
+  for (int p = lane; p < 2 * groups; p += kWarp) {
+    const P a = reinterpret_cast<const P*>(in)[p];
+    for (int i = 0; i < N; ++i) squares += to_float(a.v[i]) * to_float(a.v[i]);
+  }
+  const float inv = rsqrtf(warp_sum(squares) / float(head_dim) + eps);
+  const float* angle = groups ? table + int64_t(positions[t]) * head_dim : table;
+  for (int g = lane; g < groups; g += kWarp) {
+    const int j = g * N;
+    const P a = *reinterpret_cast<const P*>(in + j), b = *reinterpret_cast<const P*>(in + j + half);
+    const P wa = *reinterpret_cast<const P*>(w + j), wb = *reinterpret_cast<const P*>(w + j + half);
+    P lo, hi;
+    for (int i = 0; i < N; ++i) {
+      const float x1 = round_to<T>(to_float(wa.v[i]) * round_to<T>(to_float(a.v[i]) * inv));
+      const float x2 = round_to<T>(to_float(wb.v[i]) * round_to<T>(to_float(b.v[i]) * inv));
+      const float c = round_to<T>(angle[j + i]), s = round_to<T>(angle[half + j + i]);
       lo.v[i] = from_float<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
       hi.v[i] = from_float<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
     }
@@ -388,6 +440,43 @@ int rope(void* q_out, void* k_out, const void* q, const void* k, const void* tab
     constexpr int N = 16 / sizeof(T);
     const bool wide = (head_dim / 2 | q_stride | k_stride) % N == 0 && aligned16(qo) &&
                       aligned16(ko) && aligned16(qi) && aligned16(ki);
+    return wide ? go(std::integral_constant<int, N>{}) : go(std::integral_constant<int, 1>{});
+  });
+}
+
+// q_norm, k_norm and rope of one attention layer (Qwen3): strides in elements; outputs
+// contiguous [tokens, heads, head_dim]
+int qk_norm_rope(void* q_out, void* k_out, const void* q, const void* k, const void* q_weight,
+                 const void* k_weight, const void* table, const void* positions, int dtype,
+                 int position_bytes, int64_t tokens, int64_t q_stride, int64_t k_stride,
+                 int q_heads, int k_heads, int head_dim, float eps, void* stream) {
+  if (tokens == 0) return 0;
+  return by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    auto* qo = static_cast<T*>(q_out);
+    auto* ko = static_cast<T*>(k_out);
+    auto* qi = static_cast<const T*>(q);
+    auto* ki = static_cast<const T*>(k);
+    auto* qw = static_cast<const T*>(q_weight);
+    auto* kw = static_cast<const T*>(k_weight);
+    auto* tb = static_cast<const float*>(table);
+    const unsigned warps = 4;
+    const int64_t rows = tokens * (q_heads + k_heads);
+    const dim3 grid(unsigned((rows + warps - 1) / warps)), block(warps * kWarp);
+    auto go = [&](auto width) {
+      constexpr int N = decltype(width)::value;
+      if (position_bytes == 4)
+        return LAUNCH((qk_norm_rope_kernel<T, N, int32_t>), grid, block, stream)(
+            qo, ko, qi, ki, qw, kw, tb, static_cast<const int32_t*>(positions), tokens, q_stride,
+            k_stride, q_heads, k_heads, head_dim, eps);
+      return LAUNCH((qk_norm_rope_kernel<T, N, int64_t>), grid, block, stream)(
+          qo, ko, qi, ki, qw, kw, tb, static_cast<const int64_t*>(positions), tokens, q_stride,
+          k_stride, q_heads, k_heads, head_dim, eps);
+    };
+    constexpr int N = 16 / sizeof(T);
+    const bool wide = (head_dim / 2 | q_stride | k_stride) % N == 0 && aligned16(qo) &&
+                      aligned16(ko) && aligned16(qi) && aligned16(ki) && aligned16(qw) &&
+                      aligned16(kw);
     return wide ? go(std::integral_constant<int, N>{}) : go(std::integral_constant<int, 1>{});
   });
 }
