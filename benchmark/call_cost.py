@@ -152,6 +152,9 @@ def breakdown(x: torch.Tensor, weight: torch.Tensor, k: torch.Tensor) -> None:
     CPU), the output's allocation; and each kernel's GPU time (CUDA events, 200 calls)."""
     import flashinfer
 
+    # fresh inputs: the timings above ran FlashInfer's rope in place thousands of times with a
+    # random table, which is no rotation, so q and k hold infinities by now
+    k = torch.randn_like(k)
     heads = k.view(TOKENS, KV_HEADS, HEAD)
     q_heads = torch.randn(TOKENS, QO_HEADS, HEAD, dtype=k.dtype, device=k.device)
     out = torch.empty_like(heads)
@@ -161,7 +164,8 @@ def breakdown(x: torch.Tensor, weight: torch.Tensor, k: torch.Tensor) -> None:
     stream = torch.cuda.current_stream().cuda_stream
     args = (out.data_ptr(), None, heads.data_ptr(), None, weight.data_ptr(),
             cuda.DTYPES[heads.dtype], *cuda._rows(heads), HEAD, 1e-6, stream)
-    table = torch.randn(4096, HEAD, device=x.device)
+    angles = torch.outer(torch.arange(4096.0), 1e4 ** -torch.arange(0, 1, 2 / HEAD)).to(x.device)
+    table = torch.cat([angles.cos(), angles.sin()], -1)
     positions = torch.arange(TOKENS, dtype=torch.int32, device=x.device)
     parts = [("the wrapper, cuda.rms_norm", lambda: cuda.rms_norm(heads, weight, 1e-6)),
              ("rms_norm, rms_norm, rope: the unfused three",
