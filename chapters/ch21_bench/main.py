@@ -25,8 +25,8 @@ import torch
 from minisgl.core import SamplingParams
 from minisgl.engine.sample import sample_from_probs, sample_without_cut
 from minisgl.message import BatchBackendMsg, BatchFrontendMsg, TokenizeMsg
+from minisgl.message.transport import IpcNamespace, ZmqPullQueue, ZmqPushQueue
 from minisgl.tokenizer import tokenizer_worker
-from minisgl.utils.mp import IpcNamespace, ZmqPullQueue, ZmqPushQueue
 
 HERE = Path(__file__).resolve().parent
 MODEL = Path(sys.argv[1] if len(sys.argv) > 1 else "models/SmolLM2-135M-Instruct")

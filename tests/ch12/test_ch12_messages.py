@@ -32,7 +32,7 @@ from minisgl.message import (
     decode,
     encode,
 )
-from minisgl.utils.mp import (
+from minisgl.message.transport import (
     IpcNamespace,
     ZmqAsyncPullQueue,
     ZmqAsyncPushQueue,

@@ -27,9 +27,9 @@ from minisgl.message import (
     UserMsg,
     UserReply,
 )
+from minisgl.message.transport import IpcNamespace, ZmqPullQueue, ZmqPushQueue
 from minisgl.tokenizer import DetokenizeManager, TokenizeManager, tokenizer_worker
 from minisgl.tokenizer.server import TokenizerServer
-from minisgl.utils.mp import IpcNamespace, ZmqPullQueue, ZmqPushQueue
 
 from reference import hf_greedy
 

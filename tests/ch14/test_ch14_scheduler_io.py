@@ -24,11 +24,11 @@ from minisgl.message import (
     ExitMsg,
     UserMsg,
 )
+from minisgl.message.transport import IpcNamespace, ZmqPullQueue, ZmqPushQueue
 from minisgl.scheduler import SchedulerConfig
 from minisgl.scheduler.io import ServerScheduler, scheduler_worker
 from minisgl.scheduler.scheduler import ABORT_MARK_TTL_S
 from minisgl.utils.device import stream_context
-from minisgl.utils.mp import IpcNamespace, ZmqPullQueue, ZmqPushQueue
 
 from reference import hf_greedy
 

@@ -119,7 +119,7 @@ def test_fanout_waits_for_every_subscriber_and_drops_nothing() -> None:
     XPUB_VERBOSE it would see only the first), and a burst far over ZMQ's default high-water
     mark of 1000 reaches every rank whole."""
     from minisgl.message import AbortBackendMsg, BackendMsg, encode
-    from minisgl.utils.mp import IpcNamespace, ZmqPubQueue, ZmqSubQueue
+    from minisgl.message.transport import IpcNamespace, ZmqPubQueue, ZmqSubQueue
 
     ns = IpcNamespace()
     try:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from minisgl.distributed import DistributedInfo
 from minisgl.distributed.shard import HeadSplit, shard_of
-from minisgl.models.config import ModelConfig, load_hf_config
+from minisgl.model_config import ModelConfig, load_hf_config
 from minisgl.models.weight import load_weight, read_safetensors
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from minisgl.models import ModelConfig
+from minisgl.model_config import ModelConfig
 from minisgl.utils.registry import Registry
 
 from .base import BaseAttnBackend, BaseAttnMetadata

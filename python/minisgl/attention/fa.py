@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch, get_global_ctx
-from minisgl.models import ModelConfig
+from minisgl.model_config import ModelConfig
 
 from .base import BaseAttnBackend, BaseAttnMetadata
 

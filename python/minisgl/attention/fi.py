@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from minisgl.core import Batch, get_global_ctx
-from minisgl.models import ModelConfig
+from minisgl.model_config import ModelConfig
 from minisgl.utils.device import create_event
 
 from .base import BaseAttnBackend, BaseAttnMetadata

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minisgl.core import Batch, get_global_ctx
-from minisgl.models import ModelConfig
+from minisgl.model_config import ModelConfig
 
 from .base import BaseAttnBackend, BaseAttnMetadata
 

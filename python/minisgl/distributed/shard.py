@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from .info import DistributedInfo
 
 if TYPE_CHECKING:  # models import this module to load their slices
-    from minisgl.models.config import ModelConfig
+    from minisgl.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from functools import cached_property
 import torch
 
 from minisgl.distributed import DistributedInfo
-from minisgl.models import ModelConfig, load_hf_config
+from minisgl.model_config import ModelConfig, load_hf_config
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from minisgl.models import ModelConfig
+from minisgl.model_config import ModelConfig
 from minisgl.utils.registry import Registry
 
 from .base import BaseCacheHandle, BaseKVCachePool, BasePrefixCache, InsertResult, SizeInfo

@@ -1,7 +1,7 @@
 """Models: config, registry, the dense architectures and weight loading (chapter 3)."""
 
 from .base import BaseLLMModel
-from .config import ModelConfig, load_hf_config
+from minisgl.model_config import ModelConfig, load_hf_config
 from .register import create_model, get_model_class
 from .weight import load_weight
 

@@ -7,7 +7,7 @@ import torch
 from minisgl.layers import BaseOP, LinearReplicated
 from minisgl.layers.moe import MoELayer
 
-from .config import ModelConfig
+from minisgl.model_config import ModelConfig
 from .utils import CausalLM
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 
 from .base import BaseLLMModel
-from .config import ModelConfig
+from minisgl.model_config import ModelConfig
 
 # architecture name -> module under minisgl.models; imported only when asked for
 _MODELS = {

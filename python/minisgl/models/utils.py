@@ -25,7 +25,7 @@ from minisgl.layers import (
 from minisgl.layers.attention import AttentionLayer
 
 from .base import BaseLLMModel
-from .config import ModelConfig
+from minisgl.model_config import ModelConfig
 
 
 class GatedMLP(BaseOP):

@@ -19,7 +19,7 @@ from minisgl.message import (
     StatsReply,
     UserMsg,
 )
-from minisgl.utils.mp import ZmqPubQueue, ZmqPullQueue, ZmqPushQueue, ZmqSubQueue
+from minisgl.message.transport import ZmqPubQueue, ZmqPullQueue, ZmqPushQueue, ZmqSubQueue
 from minisgl.utils.signals import exit_on_sigterm
 
 from .config import SchedulerConfig

@@ -10,7 +10,7 @@ import torch
 
 from minisgl.distributed import DistributedInfo
 from minisgl.distributed.shard import local_config
-from minisgl.models import ModelConfig, load_hf_config
+from minisgl.model_config import ModelConfig, load_hf_config
 from minisgl.moe import MOE_BACKENDS
 from minisgl.scheduler import SchedulerConfig
 

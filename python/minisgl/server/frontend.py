@@ -20,7 +20,7 @@ from minisgl.message import (
     TokenizerMsg,
     UserReply,
 )
-from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqAsyncPushQueue
+from minisgl.message.transport import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
 from .protocol import APIError
 

@@ -21,9 +21,9 @@ from typing import Any
 import uvicorn
 
 from minisgl.distributed import DistributedInfo
+from minisgl.message.transport import IpcNamespace
 from minisgl.scheduler.io import scheduler_worker
 from minisgl.tokenizer import tokenizer_worker
-from minisgl.utils.mp import IpcNamespace
 from minisgl.utils.signals import exit_on_sigterm
 
 from .api_server import create_app

@@ -24,7 +24,7 @@ from minisgl.message import (
     UserMsg,
     UserReply,
 )
-from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
+from minisgl.message.transport import ZmqPullQueue, ZmqPushQueue
 from minisgl.utils.signals import exit_on_sigterm
 
 from .detokenize import DetokenizeManager

@@ -13,7 +13,7 @@ from typing import Generic, TypeVar
 import zmq
 import zmq.asyncio
 
-from minisgl.message import MessageError, decode, encode
+from .codec import MessageError, decode, encode
 
 WAKE_MS = 100  # a receiver waiting "forever" wakes this often (see _Receiver.wait)
 T = TypeVar("T")
