@@ -8,8 +8,9 @@ of a dozen arguments. A C compiler is needed; the tensors are CPU tensors, so th
 are the CPU allocator's, not CUDA's caching allocator.
 
 With --gpu: the real kernels on CUDA tensors, the GPU idle, beside the FlashInfer calls the
-official makes in the same places (in place, as it calls them) and beside torch.empty and
-F.linear: host microseconds per call, the kernels' own time not waited for.
+official makes in the same places (in place, as it calls them), the two sides timed in turns
+(each goes first once), and beside torch.empty and F.linear: host microseconds per call, the
+kernels' own time not waited for.
 
     python benchmark/call_cost.py [--gpu]
 """
@@ -137,10 +138,13 @@ def compare_on_gpu(layer: list[tuple[str, Callable[[], object]]], x: torch.Tenso
                   lambda: torch.nn.functional.linear(x, w_qkv))]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer "
           f"{flashinfer.__version__}: host us per call, the GPU idle ({TOKENS} tokens)")
-    print("ours (kernel/cuda.py, through ctypes):")
-    report(layer, sync=True)
-    print("FlashInfer, as the official calls it (no store_cache: its kernel is the official's):")
-    report(official, sync=True)
+    sides = [("ours (kernel/cuda.py, through ctypes)", layer),
+             ("FlashInfer, as the official calls it (no store_cache: its kernel is the "
+              "official's)", official)]
+    for turn in range(2):  # in turns: whichever goes first on a fresh machine may pay for it
+        for name, calls in sides if turn == 0 else sides[::-1]:
+            print(f"{name}, turn {turn}:")
+            report(calls, sync=True)
     print("torch:")
     report(torch_ops, sync=True)
     breakdown(x, head_weight, k)
