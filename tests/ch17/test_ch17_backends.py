@@ -66,6 +66,25 @@ def test_fi_backend_gives_the_torch_backends_tokens_and_plans_once_per_batch(
     assert out[1]["token_ids"] == hf_greedy(path, prompts[1], 10)[0]
 
 
+@pytest.mark.parametrize("few", [0, 64])
+def test_fi_key_slots_copied_row_by_row_or_gathered_give_the_same_tokens(
+        few: int, fake_flashinfer: Any, make_llm: Callable, model_dir: Callable[[str], Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of building a batch's key slots (a copy per row for small batches, one gather
+    for large ones), each forced on every batch, prefill and decode, with pages of 4."""
+    import minisgl.attention.fi as fi
+
+    monkeypatch.setattr(fi, "FEW_REQS", few)
+    path, prompts = model_dir("tiny-llama"), _prompts(2) + _prompts(3)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    torch_llm = make_llm(path, attention_backend="torch", page_size=4)
+    ref = torch_llm.generate(prompts, params)
+    torch_llm.shutdown()
+    llm = make_llm(path, attention_backend="fi", page_size=4)
+    assert [o["token_ids"] for o in llm.generate(prompts, params)] == [
+        r["token_ids"] for r in ref]
+
+
 def test_hybrid_prefills_with_torch_and_decodes_with_fi(fake_flashinfer: Any,
                                                        make_llm: Callable,
                                                        model_dir: Callable[[str], Path]) -> None:

@@ -15,6 +15,9 @@ from minisgl.utils.device import create_event
 from .base import BaseAttnBackend, BaseAttnMetadata
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-KV scratch: the size its documentation advises
+# up to this many requests a batch's key slots are copied row by row (one launch; the host's
+# cost grows with the rows); past it, by a gather whose dozen launches do not grow
+FEW_REQS = 8
 
 
 @dataclass
@@ -71,13 +74,18 @@ class FlashInferBackend(BaseAttnBackend):
         lens = torch.tensor([[r.extend_len, r.device_len, r.table_idx] for r in reqs],
                             dtype=torch.int32, pin_memory=self.pin)
         qo_indptr, kv_indptr = _indptr(lens[:, 0], self.pin), _indptr(lens[:, 1], self.pin)
-        total = int(kv_indptr[-1])
-        kv_lens, rows = lens.to(device, non_blocking=True)[:, 1:].long().unbind(1)
-        # key j of request i is at page_table[row_i, j]
-        owner = torch.repeat_interleave(torch.arange(len(reqs), device=device), kv_lens,
-                                        output_size=total)
-        col = torch.arange(total, device=device) - (torch.cumsum(kv_lens, 0) - kv_lens)[owner]
-        kv_indices = ctx.page_table[rows[owner], col]
+        if len(reqs) <= FEW_REQS:  # one copy of views of the rows (a copy: the table may be
+            # rewritten before the kernels read it, e.g. when a prompt's pages join the cache)
+            kv_indices = torch.cat([ctx.page_table[r.table_idx, : r.device_len] for r in reqs])
+        else:  # a fixed number of launches, however many rows
+            total = int(kv_indptr[-1])
+            kv_lens, rows = lens.to(device, non_blocking=True)[:, 1:].long().unbind(1)
+            # key j of request i is at page_table[row_i, j]
+            owner = torch.repeat_interleave(torch.arange(len(reqs), device=device), kv_lens,
+                                            output_size=total)
+            col = (torch.arange(total, device=device)
+                   - (torch.cumsum(kv_lens, 0) - kv_lens)[owner])
+            kv_indices = ctx.page_table[rows[owner], col]
         ones = torch.ones(len(reqs), dtype=torch.int32, pin_memory=self.pin)
         batch.attn_metadata = FIMetadata(qo_indptr, kv_indptr, kv_indices, ones,
                                          self.decode if batch.is_decode else self.prefill)
