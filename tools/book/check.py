@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-import sys
+import time
 from pathlib import Path
 
 from book import pages
@@ -226,6 +226,7 @@ def check(book: Book, numbers: list[int], run: bool, timeout: float) -> int:
     blocks = find_blocks(book)
     for ch in chapters:
         print(f"chapter {ch.number} ({ch.folder.name}): {ch.title}", flush=True)
+        began = time.perf_counter()
         verdicts = check_chapter(book, ch, blocks, run, timeout)
         for n in sorted(verdicts):
             status, details = verdicts[n]
@@ -237,7 +238,7 @@ def check(book: Book, numbers: list[int], run: bool, timeout: float) -> int:
                     head = " " * (len(head) - 4) + "FAIL"
             else:
                 print(head + (f" ({details[0]})" if details and details[0] else ""))
-        sys.stdout.flush()
+        print(f"  checked in {time.perf_counter() - began:.0f} s", flush=True)
     lines, warnings, page_failures = page_report(book, blocks)
     print(f"pages (a warning above {PAGE_WARNING_KB} KB):", *lines, sep="\n")
     failed = counts["FAIL"] + page_failures
