@@ -20,8 +20,10 @@ from book.delta import (  # noqa: E402
     check_successor,
     decode_text,
     encode_delta,
+    find_renames,
     parse_delta,
     read_patch,
+    section_length,
     split_lines,
     tree_label,
 )
@@ -479,3 +481,143 @@ def test_misnumbered_message_says_where_the_hunk_should_start() -> None:
         GOOD.replace("@@ -9,3 +9,4 @@", "@@ -3,3 +3,4 @@"),
         r"hunk 2 \(@@ -3,3 \+3,4 @@\) is misnumbered: it starts before the end of hunk 1",
     )
+
+
+# ---------------------------------------------------------------------------- renames
+
+MOVED = "rename from a.py\nrename to pkg/b.py\n--- tree03/a.py\n+++ tree04/pkg/b.py\n"
+
+
+def test_a_rename_is_written_the_way_git_writes_one() -> None:
+    old = lines_text(20)
+    new = old.replace("line 1\n", "moved line 1\n")
+    text = encode_delta(3, {"a.py": (old, new, "tree04/pkg/b.py")})
+    assert text == MOVED + "@@ -1,2 +1,2 @@\n-line 1\n+moved line 1\n line 2\n"
+    fd = parse_delta(text, PATCH)["a.py"]
+    assert (fd.rename, fd.old_label, fd.new_label) == ("pkg/b.py", "tree03/a.py", "tree04/pkg/b.py")
+    assert rebuild(fd, new) == old
+    assert section_length("a.py", old, new, "tree04/pkg/b.py") == text.count("\n") == 8
+
+
+def test_a_file_moved_unchanged_is_a_rename_without_hunks() -> None:
+    old = lines_text(20)
+    text = encode_delta(3, {"a.py": (old, old, "tree04/pkg/b.py")})
+    assert text == MOVED
+    fd = parse_delta(text, PATCH)["a.py"]
+    assert fd.hunks == () and fd.rename == "pkg/b.py" and rebuild(fd, old) == old
+    assert parse_delta(GOOD, PATCH)["a.py"].rename is None
+
+
+def test_renames_and_plain_sections_mix_in_path_order() -> None:
+    files = {
+        "z.py": ("1\n", "2\n", "tree04/z.py"),
+        "a.py": (lines_text(9), lines_text(9), "tree04/pkg/b.py"),
+        "m.py": ("x\n", "", DEV_NULL),
+    }
+    text = encode_delta(3, files)
+    assert text.startswith(MOVED + "--- tree03/m.py\n+++ /dev/null\n")
+    sections = parse_delta(text, PATCH)
+    assert list(sections) == ["a.py", "m.py", "z.py"]
+    assert [fd.rename for fd in sections.values()] == ["pkg/b.py", None, None]
+
+
+def test_encode_refuses_two_renames_to_one_path() -> None:
+    files = {"a.py": ("1\n", "1\n", "tree04/c.py"), "b.py": ("1\n", "1\n", "tree04/c.py")}
+    with pytest.raises(ValueError, match="b.py: a second rename to c.py"):
+        encode_delta(3, files)
+
+
+RENAMED_C = MOVED.replace("a.py", "c.py")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("rename from a.py\nrenamed to b.py\n", r":2: a\.py: expected 'rename to <path>'"),
+        ("rename from a.py\n", r":2: a\.py: expected 'rename to <path>' .* end of the patch"),
+        ("rename from a.py\nrename to \n", r":2: a\.py: expected 'rename to <path>'"),
+        ("rename from a.py\nrename to b.py\n", r":3: expected a '--- treeNN/<path>' line after"),
+        (
+            MOVED.replace("rename from a.py", "rename from c.py"),
+            r":1: 'rename from c\.py' opens the section of a\.py",
+        ),
+        (
+            MOVED.replace("tree04/pkg/b.py", "tree04/pkg/c.py"),
+            r":4: a\.py: 'rename to pkg/b\.py' but the '\+\+\+' label is tree04/pkg/c\.py",
+        ),
+        (
+            MOVED.replace("tree04/pkg/b.py", "repo/pkg/b.py"),
+            r"label is repo/pkg/b\.py, not treeNN/pkg/b\.py",
+        ),
+        (MOVED.replace("pkg/b.py", "a.py"), r":1: a\.py: renamed to itself"),
+        (
+            MOVED[MOVED.index("---") :],
+            r":2: a\.py: the '\+\+\+' label tree04/pkg/b\.py names another path, but the "
+            r"section has no 'rename from' / 'rename to' lines",
+        ),
+        (
+            MOVED + RENAMED_C,
+            r":5: c\.py: renamed to pkg/b\.py, which a\.py is renamed to already",
+        ),
+        (GOOD + "rename from x\n", r":14: x: expected 'rename to <path>'"),
+        (
+            MOVED + "garbage\n",
+            r":5: a\.py: expected a hunk header or the next file's '--- ' or 'rename from' line",
+        ),
+    ],
+)
+def test_malformed_renames_fail_naming_the_place(text: str, message: str) -> None:
+    bad(text, message)
+
+
+def test_a_stale_rename_fails_like_any_hunk() -> None:
+    old = lines_text(20)
+    new = old.replace("line 10\n", "line ten\n")
+    fd = parse_delta(encode_delta(3, {"a.py": (old, new, "tree04/pkg/b.py")}), PATCH)["a.py"]
+    edited = new.replace("line 11\n", "an edit nobody recorded\n")
+    stale = r"hunk 1 \(@@ -9,3 \+9,3 @@\) does not fit tree04/pkg/b\.py: at line 11"
+    with pytest.raises(DeltaError, match=stale):
+        apply_reverse(edited, fd.hunks, patch=PATCH, path="a.py", successor=fd.new_label)
+
+
+def gone(path: str, text: str) -> dict[str, tuple[str, str, str]]:
+    return {path: (text, "", DEV_NULL)}
+
+
+def test_find_renames_pairs_a_moved_file() -> None:
+    old = lines_text(30)
+    added = {"new/a.py": old.replace("line 7\n", "line seven\n"), "other.py": lines_text(30, "x")}
+    assert find_renames(gone("a.py", old), added, 4) == {"a.py": "new/a.py"}
+    assert find_renames(gone("a.py", old), {"other.py": lines_text(30, "x")}, 4) == {}
+    assert find_renames(gone("a.py", old), {}, 4) == {}
+
+
+def test_find_renames_takes_a_rename_only_when_it_is_shorter() -> None:
+    old = lines_text(4)
+    # Half the file changed: the rename (4 header lines, a hunk) is not shorter than old whole.
+    half = "line 1\nline 2\nnew 3\nnew 4\nnew 5\n"
+    plain = section_length("a.py", old, "", DEV_NULL)
+    assert section_length("a.py", old, half, "tree04/b.py") == 11 > plain == 7
+    assert find_renames(gone("a.py", old), {"b.py": half}, 4) == {}
+    # The live copy is the same: no section at all, so no rename, even to an identical file.
+    assert find_renames({"a.py": (old, old, "repo/a.py")}, {"b.py": old}, 4) == {}
+    # The live copy needs a 6-line section, the identical new file a 4-line rename.
+    live = {"a.py": (old, old.replace("line 4", "line four"), "repo/a.py")}
+    assert find_renames(live, {"b.py": old}, 4) == {"a.py": "b.py"}
+    # A tiny file never pays for the rename header.
+    assert find_renames(gone("a.py", "x\n"), {"b.py": "x\n"}, 4) == {}
+
+
+def test_find_renames_is_deterministic_and_pairs_each_path_once() -> None:
+    base = lines_text(40)
+    c = base.replace("line 5\n", "5\n")
+    b = c.replace("line 25\n", "25\n")
+    # Savings: d.py -> c.py 39 lines (identical), a.py -> c.py and d.py -> b.py 34 each,
+    # a.py -> b.py 29. The biggest saving goes first, ties in path order, each path once;
+    # e.py resembles nothing.
+    olds = {**gone("a.py", base), **gone("d.py", c), **gone("e.py", lines_text(40, "e"))}
+    added = {"b.py": b, "c.py": c}
+    want = {"d.py": "c.py", "a.py": "b.py"}
+    assert find_renames(olds, added, 4) == want
+    backwards = dict(reversed(list(olds.items()))), dict(reversed(list(added.items())))
+    assert find_renames(*backwards, 4) == want

@@ -822,3 +822,144 @@ def test_a_manifest_may_have_no_outputs(repo: Path) -> None:
     done = steps_cmd(repo, "list")
     assert done.returncode == 0, done.stderr
     check_fails(repo, "--no-run", "1", expect={(1, 6)}, message="chapter 1 has no output 'main'")
+
+
+# ---------------------------------------------------------------------------- a file that moves
+
+LONG_UTIL = UTIL + "".join(
+    f"\n\ndef helper_{i}(x: int) -> int:\n    return x + {i}\n" for i in range(8)
+)
+TEXT = LONG_UTIL.replace(
+    "def shout(", '"""Text helpers: util.py until chapter 1."""\n\n\ndef shout('
+)
+
+
+def moved_book(repo: Path) -> Path:
+    """The book with a longer minisgl/util.py in both trees, committed; then chapter 1 moves it
+    to minisgl/text.py with a docstring added, and `record` stores that."""
+    write(repo, "python/minisgl/util.py", LONG_UTIL)
+    for folder in ("ch00_a", "ch01_b"):  # both trees are what they materialise to now
+        toml = repo / "chapters" / folder / "chapter.toml"
+        text = toml.read_text(encoding="utf-8")
+        toml.write_text(re.sub(r"digest = .*\n", "", text), encoding="utf-8")
+    assert steps_cmd(repo, "record").returncode == 0
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "book")
+    (repo / "python/minisgl/util.py").unlink()
+    write(repo, "python/minisgl/text.py", TEXT)
+    edit(repo, "python/minisgl/core.py", "minisgl.util", "minisgl.text")
+    edit(repo, "chapters/ch01_b/chapter.toml", "new = [\n", 'new = [\n  "minisgl/text.py",\n')
+    edit(repo, "chapters/ch01_b/chapter.toml", "gone = [\n", 'gone = [\n  "minisgl/util.py",\n')
+    done = steps_cmd(repo, "record")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert steps_cmd(repo, "pages").returncode == 0
+    return repo
+
+
+def test_record_stores_a_moved_file_as_a_rename(repo: Path, tmp_path: Path) -> None:
+    moved_book(repo)
+    patch = (repo / "chapters/ch00_a/delta.patch").read_text(encoding="utf-8")
+    assert patch == (
+        "rename from minisgl/util.py\n"
+        "rename to minisgl/text.py\n"
+        "--- tree00/minisgl/util.py\n"
+        "+++ tree01/minisgl/text.py\n"
+        "@@ -1 +1,4 @@\n"
+        '+"""Text helpers: util.py until chapter 1."""\n'
+        "+\n"
+        "+\n"
+        " def shout(text: str) -> str:\n"
+    )
+    assert len(patch.splitlines()) < len(LONG_UTIL.splitlines())  # shorter than the file whole
+    assert steps_cmd(repo, "build", "0", str(tmp_path / "t0")).returncode == 0
+    assert (tmp_path / "t0/minisgl/util.py").read_text(encoding="utf-8") == LONG_UTIL
+    assert not (tmp_path / "t0/minisgl/text.py").exists()
+    assert "text.py        [新建]" in steps_cmd(repo, "tree", "1").stdout
+    done = steps_cmd(repo, "check")
+    assert done.returncode == 0, done.stdout
+
+
+def test_a_moved_file_edited_without_record_fails(repo: Path) -> None:
+    # The rename's successor, the file at its new path, changes and nobody runs `record`.
+    moved_book(repo)
+    edit(repo, "python/minisgl/text.py", "until chapter 1", "until the first chapter")
+    check_fails(
+        repo,
+        "--no-run",
+        expect={(0, 1), (1, 8)},
+        message="hunk 1 (@@ -1 +1,4 @@) does not fit tree01/minisgl/text.py: at line 1",
+    )
+
+
+def test_a_moved_file_edited_far_from_its_hunks_leaks_into_the_older_tree(repo: Path) -> None:
+    moved_book(repo)
+    edit(repo, "python/minisgl/text.py", "return x + 7", "return x + 70")
+    message = "tree 0 changed: if chapter 0 meant it, run `steps.py record 0`"
+    check_fails(repo, "--no-run", expect={(0, 8), (1, 8)}, message=message)
+
+
+def move_again(repo: Path) -> None:
+    """The file moves on (text.py -> words.py) and the manifest follows."""
+    (repo / "python/minisgl/text.py").rename(repo / "python/minisgl/words.py")
+    edit(repo, "python/minisgl/core.py", "minisgl.text", "minisgl.words")
+    edit(repo, "chapters/ch01_b/chapter.toml", '"minisgl/text.py"', '"minisgl/words.py"')
+
+
+def keep_the_old_path(repo: Path) -> None:
+    """Tree 1 holds util.py again, beside text.py."""
+    write(repo, "python/minisgl/util.py", LONG_UTIL)
+    edit(repo, "chapters/ch01_b/chapter.toml", '  "minisgl/util.py",\n', "")
+
+
+def add_the_new_path_earlier(repo: Path) -> None:
+    """text.py enters the book in chapter 0 instead of chapter 1."""
+    edit(repo, "chapters/ch01_b/chapter.toml", '  "minisgl/text.py",\n', "")
+    edit(repo, "chapters/ch00_a/chapter.toml", "new = [\n", 'new = [\n  "minisgl/text.py",\n')
+
+
+@pytest.mark.parametrize(
+    ("change", "expect", "message"),
+    [
+        (move_again, {(0, 1), (1, 5), (1, 8)}, "but tree 1 has no minisgl/text.py"),
+        (keep_the_old_path, {(0, 1), (1, 5), (1, 8)}, "but tree 1 still holds minisgl/util.py"),
+        (
+            add_the_new_path_earlier,
+            {(0, 1), (0, 5), (1, 5)},
+            "but tree 0 holds minisgl/text.py too",
+        ),
+    ],
+)
+def test_a_rename_that_no_longer_fits_the_manifests_fails(
+    repo: Path, change, expect: set[tuple[int, int]], message: str
+) -> None:
+    # The trees' file lists change and nobody runs `record`: the rename is refused, not guessed.
+    moved_book(repo)
+    change(repo)
+    message = "chapters/ch00_a/delta.patch: minisgl/util.py: renamed to minisgl/text.py, " + message
+    check_fails(repo, "--no-run", expect=expect, message=message)
+    if change is add_the_new_path_earlier:
+        return  # tree 0 itself changed: that needs `record 0 DIR`, from a tree built at HEAD
+    done = steps_cmd(repo, "record")  # tree 1 changed: recording it re-derives the rename
+    assert done.returncode == 0, done.stdout + done.stderr
+    patch = repo / "chapters/ch00_a/delta.patch"
+    if change is move_again:
+        assert "rename to minisgl/words.py\n" in patch.read_text(encoding="utf-8")
+    else:
+        assert not patch.exists()  # tree 0's util.py is tree 1's, unchanged
+    assert steps_cmd(repo, "pages").returncode == 0
+    done = steps_cmd(repo, "check", "--no-run")
+    assert done.returncode == 0, done.stdout
+
+
+def test_early_needs_a_difference_from_the_file_it_moved_to(repo: Path) -> None:
+    moved_book(repo)
+    toml = "chapters/ch00_a/chapter.toml"
+    edit(repo, toml, "new = [", 'early = ["minisgl/util.py"]\nnew = [')
+    assert steps_cmd(repo, "pages", "0").returncode == 0
+    assert steps_cmd(repo, "check", "--no-run").returncode == 0  # the docstring differs
+    write(repo, "python/minisgl/text.py", LONG_UTIL)  # now it moves unchanged
+    assert steps_cmd(repo, "record").returncode == 0
+    patch = (repo / "chapters/ch00_a/delta.patch").read_text(encoding="utf-8")
+    assert patch.endswith("+++ tree01/minisgl/text.py\n")  # a rename without hunks
+    check_fails(repo, "--no-run", expect={(0, 8)}, message="early, but tree 0's copy equals")

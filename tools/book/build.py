@@ -187,25 +187,34 @@ def record(book: Book, number: int | None, src: Path | None) -> int:
                 print(f"wrote {book.rel(own)}")
     # the deltas
     for k, ch in enumerate(chapters):
+        nxt = trees[k + 1] if k + 1 < len(chapters) else {}
         files = {}
-        for path, data in trees[k].items():
-            if owned(path):
-                continue
-            if k + 1 < len(chapters) and path in trees[k + 1]:
-                succ, label = trees[k + 1][path], delta.tree_label(chapters[k + 1].number, path)
-            elif (book.root / live_rel(path)).is_file():
-                succ, label = (book.root / live_rel(path)).read_bytes(), f"repo/{live_rel(path)}"
-            else:
-                succ, label = b"", delta.DEV_NULL
-            where = f"tree {ch.number}: {path}"
-            try:
-                files[path] = (
-                    delta.decode_text(data, where),
-                    delta.decode_text(succ, label),
-                    label,
-                )
-            except delta.DeltaError as exc:
-                raise StepsError(str(exc)) from None
+        try:
+            for path, data in trees[k].items():
+                if owned(path):
+                    continue
+                if path in nxt:
+                    succ, label = nxt[path], delta.tree_label(chapters[k + 1].number, path)
+                elif (book.root / live_rel(path)).is_file():
+                    live = book.root / live_rel(path)
+                    succ, label = live.read_bytes(), f"repo/{live_rel(path)}"
+                else:
+                    succ, label = b"", delta.DEV_NULL
+                text = delta.decode_text(data, f"tree {ch.number}: {path}")
+                files[path] = (text, delta.decode_text(succ, label), label)
+            # a file that moved: a rename to its new path when that stores fewer lines
+            gone = {p: files[p] for p in files if nxt and p not in nxt}
+            if gone:
+                m = chapters[k + 1].number
+                added = {
+                    q: delta.decode_text(blob, delta.tree_label(m, q))
+                    for q, blob in nxt.items()
+                    if not owned(q) and q not in trees[k]
+                }
+                for path, moved_to in delta.find_renames(gone, added, m).items():
+                    files[path] = (files[path][0], added[moved_to], delta.tree_label(m, moved_to))
+        except delta.DeltaError as exc:
+            raise StepsError(str(exc)) from None
         text = delta.encode_delta(ch.number, files).encode("utf-8")
         old = ch.patch.read_bytes() if ch.patch.is_file() else b""
         if text != old:

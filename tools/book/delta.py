@@ -6,6 +6,11 @@ successor. Each section runs from tree N (`--- treeNN/<path>`) to the successor
 applying the section's hunks in reverse to the successor's text, strictly: every hunk must fit
 at exactly the line its header names. There is no fuzz and no offset search.
 
+A file that tree MM holds at another path (it moved) may be stored as a rename, the way git
+writes one: the section opens with `rename from <path>` and `rename to <new path>`, its `+++`
+label is `treeMM/<new path>`, and its hunks (none when the file moved unchanged) run from tree
+N's text to that file's.
+
 Texts are `str` split on "\\n" only, so "\\r", form feeds and a missing final newline
 (`\\ No newline at end of file`) survive byte for byte. A patch must therefore be read and
 written without newline translation: use `read_patch`, and write the text from `encode_delta`
@@ -27,6 +32,8 @@ RECORD_HINT = "run `steps.py record`"
 _NUM = "(0|[1-9][0-9]*)"
 _HUNK_RE = re.compile(rf"@@ -{_NUM}(?:,{_NUM})? \+{_NUM}(?:,{_NUM})? @@")
 _OLD_LABEL_RE = re.compile(r"tree([0-9]+)/(.+)")
+RENAME_FROM = "rename from "
+RENAME_TO = "rename to "
 
 
 class DeltaError(Exception):
@@ -60,12 +67,14 @@ class Hunk:
 
 @dataclass(frozen=True)
 class FileDelta:
-    """One file's section of a patch: its path in tree N, both labels and its hunks."""
+    """One file's section of a patch: its path in tree N, both labels and its hunks; `rename`
+    is the successor's path when the section is a rename (`rename from` / `rename to`)."""
 
     path: str
     old_label: str
     new_label: str
     hunks: tuple[Hunk, ...]
+    rename: str | None = None
 
 
 # ---------------------------------------------------------------------------- text
@@ -74,6 +83,13 @@ class FileDelta:
 def tree_label(n: int, path: str) -> str:
     """The label of `path` in tree `n`, as a section header writes it: `treeNN/<path>`."""
     return f"tree{n:02d}/{path}"
+
+
+def renamed_to(path: str, label: str) -> str | None:
+    """The path a `+++` label names when it is a tree label of a path other than `path` (the
+    section is then a rename), else None."""
+    match = _OLD_LABEL_RE.fullmatch(label)
+    return match.group(2) if match is not None and match.group(2) != path else None
 
 
 def decode_text(data: bytes, where: str) -> str:
@@ -101,22 +117,67 @@ def encode_delta(n: int, files: Mapping[str, tuple[str, str, str]], context: int
 
     Sections come in path order. A file equal to its successor gets no section, except when
     the label is /dev/null (the successor text must then be empty): that section holds the
-    whole file, and no hunks at all when the file is empty.
+    whole file, and no hunks at all when the file is empty; or when the label is a tree label
+    of another path: that section is a rename, and has no hunks when the texts are equal.
     """
     if context < 0:
         raise ValueError(f"context must be 0 or more, not {context}")
     out: list[str] = []
+    targets: set[str] = set()
     for path in sorted(files):
         old, new, label = files[path]
         if not path or "\n" in path or not label or "\n" in label:
             raise ValueError(f"bad path or label: {path!r} -> {label!r}")
         if label == DEV_NULL and new:
             raise ValueError(f"{path}: the successor is {DEV_NULL} but its text is not empty")
-        if old == new and label != DEV_NULL:
+        target = renamed_to(path, label)
+        if target is not None:
+            if target in targets:
+                raise ValueError(f"{path}: a second rename to {target}")
+            targets.add(target)
+            out += [f"{RENAME_FROM}{path}\n", f"{RENAME_TO}{target}\n"]
+        elif old == new and label != DEV_NULL:
             continue
         out += [f"--- {tree_label(n, path)}\n", f"+++ {label}\n"]
         out += _encode_hunks(split_lines(old), split_lines(new), context)
     return "".join(out)
+
+
+def section_length(path: str, old: str, new: str, label: str, context: int = 1) -> int:
+    """How many lines `encode_delta` writes for this one file (0 when it writes no section)."""
+    return encode_delta(0, {path: (old, new, label)}, context).count("\n")
+
+
+def find_renames(
+    gone: Mapping[str, tuple[str, str, str]], added: Mapping[str, str], n: int, context: int = 1
+) -> dict[str, str]:
+    """{old path: new path}: the files of tree N that tree `n` (its successor) lacks, paired
+    with files new in tree `n`, where storing the file as a rename is shorter.
+
+    `gone` is {path: (tree N text, successor text, `+++` label)} as `encode_delta` takes it
+    without a rename (the live copy, or /dev/null); `added` is {path: text} of the paths tree
+    `n` holds and tree N does not. A pair counts only when its rename section has fewer lines
+    than the section the file gets otherwise. The pairs that save the most lines are taken
+    first, ties in path order, and each path is used once, so the result is deterministic.
+    """
+    candidates = []
+    for path, (old, new, label) in gone.items():
+        plain = section_length(path, old, new, label, context)
+        if plain <= 4:  # a rename section has 4 header lines at least
+            continue
+        for target, text in added.items():
+            if target == path:
+                continue
+            moved = section_length(path, old, text, tree_label(n, target), context)
+            if moved < plain:
+                candidates.append((moved - plain, path, target))
+    pairs: dict[str, str] = {}
+    used: set[str] = set()
+    for _, path, target in sorted(candidates):
+        if path not in pairs and target not in used:
+            pairs[path] = target
+            used.add(target)
+    return pairs
 
 
 def _encode_hunks(old: list[str], new: list[str], context: int) -> list[str]:
@@ -166,19 +227,36 @@ def parse_delta(text: str, patch: str) -> dict[str, FileDelta]:
     """Parse patch text into {path: FileDelta}, in the order of the patch.
 
     Strict: garbage lines, a bad or misnumbered hunk header, a body whose line counts differ
-    from its header, a repeated path or a mix of trees raise DeltaError naming `patch`, the
-    line, the file and the hunk. `text` must come without newline translation (`read_patch`).
+    from its header, a repeated path, a mix of trees, a `+++` label naming another path without
+    `rename from` / `rename to` lines (or disagreeing with them) or two renames to one path raise
+    DeltaError naming `patch`, the line, the file and the hunk. `text` must come without
+    newline translation (`read_patch`).
     """
     if text and not text.endswith("\n"):
         raise DeltaError(f"{patch}: the last line has no newline; the patch is cut short")
     lines = text.split("\n")[:-1]
     sections: dict[str, FileDelta] = {}
+    targets: dict[str, str] = {}  # rename target -> the path renamed to it
     tree = None
     i = 0
     while i < len(lines):
-        if not lines[i].startswith("--- "):
+        rename = rename_line = None
+        if lines[i].startswith(RENAME_FROM):
+            source, rename_line = lines[i][len(RENAME_FROM) :], i + 1
+            to = lines[i + 1] if i + 1 < len(lines) else None
+            if to is None or not to.startswith(RENAME_TO) or to == RENAME_TO:
+                found = "the end of the patch" if to is None else repr(to)
+                raise DeltaError(
+                    f"{patch}:{i + 2}: {source}: expected 'rename to <path>' after "
+                    f"'rename from', found {found}"
+                )
+            rename = to[len(RENAME_TO) :]
+            i += 2
+        if i >= len(lines) or not lines[i].startswith("--- "):
+            found = "the end of the patch" if i >= len(lines) else repr(lines[i])
+            after = " after 'rename to'" if rename else ""
             raise DeltaError(
-                f"{patch}:{i + 1}: expected a '--- treeNN/<path>' line, found {lines[i]!r}"
+                f"{patch}:{i + 1}: expected a '--- treeNN/<path>' line{after}, found {found}"
             )
         old_label = lines[i][4:]
         plus = lines[i + 1] if i + 1 < len(lines) else ""
@@ -194,6 +272,30 @@ def parse_delta(text: str, patch: str) -> dict[str, FileDelta]:
         if not plus.startswith("+++ ") or len(plus) == 4:
             found = repr(plus) if i + 1 < len(lines) else "the end of the patch"
             raise DeltaError(f"{patch}:{i + 2}: {path}: expected '+++ <label>', found {found}")
+        target = renamed_to(path, plus[4:])
+        if rename is None and target is not None:
+            raise DeltaError(
+                f"{patch}:{i + 2}: {path}: the '+++' label {plus[4:]} names another path, but "
+                f"the section has no 'rename from' / 'rename to' lines"
+            )
+        if rename is not None:
+            if rename == path:
+                raise DeltaError(f"{patch}:{rename_line}: {path}: renamed to itself")
+            if source != path:
+                raise DeltaError(
+                    f"{patch}:{rename_line}: 'rename from {source}' opens the section of {path}"
+                )
+            if target != rename:
+                raise DeltaError(
+                    f"{patch}:{i + 2}: {path}: 'rename to {rename}' but the '+++' label is "
+                    f"{plus[4:]}, not treeNN/{rename}"
+                )
+            if rename in targets:
+                raise DeltaError(
+                    f"{patch}:{rename_line}: {path}: renamed to {rename}, which "
+                    f"{targets[rename]} is renamed to already"
+                )
+            targets[rename] = path
         section_line = i + 1
         i += 2
         hunks: list[Hunk] = []
@@ -221,7 +323,7 @@ def parse_delta(text: str, patch: str) -> dict[str, FileDelta]:
             old_end = old_at + hunk.old_len
             hunks.append(hunk)
             i = i_next
-        if i < len(lines) and not lines[i].startswith("--- "):
+        if i < len(lines) and not lines[i].startswith(("--- ", RENAME_FROM)):
             if hunks and lines[i][:1] in (" ", "-", "+", "\\"):
                 raise DeltaError(
                     f"{patch}:{i + 1}: {path}: hunk {len(hunks)} ({hunks[-1].header}) has more "
@@ -229,11 +331,11 @@ def parse_delta(text: str, patch: str) -> dict[str, FileDelta]:
                 )
             raise DeltaError(
                 f"{patch}:{i + 1}: {path}: expected a hunk header or the next file's '--- ' "
-                f"line, found {lines[i]!r}"
+                f"or 'rename from' line, found {lines[i]!r}"
             )
-        if not hunks and plus[4:] != DEV_NULL:
+        if not hunks and plus[4:] != DEV_NULL and rename is None:
             raise DeltaError(f"{patch}:{section_line}: {path}: a section without hunks")
-        sections[path] = FileDelta(path, old_label, plus[4:], tuple(hunks))
+        sections[path] = FileDelta(path, old_label, plus[4:], tuple(hunks), rename)
     return sections
 
 

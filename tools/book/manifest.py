@@ -5,7 +5,8 @@ the `new` and `gone` lists of chapters 0..N replayed. A top-level path (`main.py
 `naive.py`) is chapter-owned: tree N reads `chapters/chNN_slug/<path>`, else tree N-1's copy.
 Any other path takes its successor's content (the same path in tree N+1 when tree N+1 holds it,
 else its live copy: `minisgl/...` is python/minisgl/..., anything else the same path at the
-repository root) and applies chapter N's `delta.patch` to it in reverse (tools/book/delta.py).
+repository root; or, when chapter N's `delta.patch` renames it, the new path in tree N+1) and
+applies chapter N's `delta.patch` to it in reverse (tools/book/delta.py).
 The newest tree is therefore the live code. Statuses are computed, never stored; `digest`
 records what tree N is meant to be (`steps.py record`).
 """
@@ -259,15 +260,41 @@ class Book:
                 raise StepsError(str(exc)) from None
         return self._deltas[ch.number]
 
-    def successor(self, ch: Chapter, path: str) -> tuple[bytes, str]:
-        """(content, `+++` label) of the successor of tree N's `path`."""
+    def successor(
+        self, ch: Chapter, path: str, section: FileDelta | None = None
+    ) -> tuple[bytes, str]:
+        """(content, `+++` label) of the successor of tree N's `path`; `section` is chapter N's
+        section for it, whose rename (if any) names the successor's path in tree N+1."""
         nxt = self.following(ch)
+        if section is not None and section.rename is not None:
+            self.check_rename(ch, nxt, section)
+            assert nxt is not None
+            new = section.rename
+            return self.content_at(nxt, new), delta.tree_label(nxt.number, new)
         if nxt is not None and path in self.paths[nxt.number]:
             return self.content_at(nxt, path), delta.tree_label(nxt.number, path)
         live = self.root / live_rel(path)
         if live.is_file():
             return live.read_bytes(), f"repo/{live_rel(path)}"
         return b"", delta.DEV_NULL
+
+    def check_rename(self, ch: Chapter, nxt: Chapter | None, section: FileDelta) -> None:
+        """Fail unless chapter N's rename of `section.path` fits the trees: the old path is in
+        tree N and not tree N+1, the new one in tree N+1 and not tree N, neither chapter-owned."""
+        old, new = section.path, section.rename
+        assert new is not None
+        where = f"{self.rel(ch.patch)}: {old}: renamed to {new}, but"
+        stale = f"the trees changed without the delta being re-derived ({delta.RECORD_HINT})"
+        if nxt is None:
+            raise StepsError(f"{where} tree {ch.number} is the newest; {stale}")
+        if owned(new):
+            raise StepsError(f"{where} {new} is chapter-owned (stored whole)")
+        if old in self.paths[nxt.number]:
+            raise StepsError(f"{where} tree {nxt.number} still holds {old}; {stale}")
+        if new not in self.paths[nxt.number]:
+            raise StepsError(f"{where} tree {nxt.number} has no {new}; {stale}")
+        if new in self.paths[ch.number]:
+            raise StepsError(f"{where} tree {ch.number} holds {new} too; {stale}")
 
     def content_at(self, ch: Chapter, path: str) -> bytes:
         """Tree N's content of `path` (memoised); StepsError when it cannot be made."""
@@ -289,8 +316,8 @@ class Book:
                     f"{ch.number - 1 if prev is None else prev.number} has none to inherit"
                 )
         else:
-            succ, label = self.successor(ch, path)
             section = self.delta(ch).get(path)
+            succ, label = self.successor(ch, path, section)
             name = self.rel(ch.patch)
             if section is None:
                 if label == delta.DEV_NULL:
