@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-if TYPE_CHECKING:  # these arrive in chapters 4 and 5; only their names are needed here
+if TYPE_CHECKING:  # layers above this one; only their names are needed here
     from minisgl.attention import BaseAttnBackend, BaseAttnMetadata
-    from minisgl.kvcache import BaseKVCachePool
+    from minisgl.kvcache import BaseCacheHandle, BaseKVCachePool
     from minisgl.moe import BaseMoeBackend
 
 
@@ -60,7 +60,8 @@ class Req:
     """
 
     def __init__(self, input_ids: torch.Tensor, table_idx: int, cached_len: int, output_len: int,
-                 uid: int, sampling_params: SamplingParams, cache_handle: Any = None) -> None:
+                 uid: int, sampling_params: SamplingParams,
+                 cache_handle: BaseCacheHandle | None = None) -> None:
         if input_ids.device.type != "cpu":
             raise ValueError("Req.input_ids must live on the CPU")
         self.host_len = n = len(input_ids)  # tokens known on the host: len(input_ids)
@@ -69,7 +70,7 @@ class Req:
         self._host_np = self._host.numpy()
         self.table_idx, self.cached_len, self.output_len = table_idx, cached_len, output_len
         self.uid, self.sampling_params = uid, sampling_params
-        self.cache_handle = cache_handle  # the prefix-cache handle, from chapter 9 on
+        self.cache_handle = cache_handle  # what the prefix cache matched for it
         self.device_len = n
         self.max_device_len = n + output_len
         if not 0 <= self.cached_len < self.device_len <= self.max_device_len:
@@ -120,12 +121,12 @@ class Batch:
 
     reqs: list[Req]
     phase: Literal["prefill", "decode"]
-    # filled by whoever prepares the batch (by hand until chapter 7, then the scheduler)
+    # filled by whoever prepares the batch: the scheduler, or a caller by hand
     input_ids: torch.Tensor = field(init=False)  # [sum of extend_len], on the device
     positions: torch.Tensor = field(init=False)  # same shape: each token's position
     out_loc: torch.Tensor = field(init=False)  # same shape: KV slot each token writes
-    padded_reqs: list[Req] = field(init=False)  # reqs plus dummies (CUDA graphs, chapter 18)
-    # filled by the attention backend (chapter 5)
+    padded_reqs: list[Req] = field(init=False)  # reqs plus dummies (CUDA graphs)
+    # filled by the attention backend
     attn_metadata: BaseAttnMetadata = field(init=False)
 
     @property
@@ -153,8 +154,8 @@ class Context:
     page_table: torch.Tensor = field(init=False)  # [rows, max_seq_len]: token slot per position
     kv_cache: BaseKVCachePool = field(init=False)
     attn_backend: BaseAttnBackend = field(init=False)
-    moe_backend: BaseMoeBackend = field(init=False)  # an MoE model's experts (chapter 20)
-    forward_count: int = field(default=0, init=False)  # forward passes begun (chapter 18)
+    moe_backend: BaseMoeBackend = field(init=False)  # an MoE model's experts
+    forward_count: int = field(default=0, init=False)  # forward passes begun
     _batch: Batch | None = field(default=None, init=False)
 
     @property

@@ -1,5 +1,4 @@
-"""ModelConfig: the few fields of a HF config.json that inference needs (chapter 3; the MoE
-fields: chapter 20)."""
+"""ModelConfig: the few fields of a HF config.json that inference needs (chapter 3)."""
 
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ class ModelConfig:
     max_position: int
     tie_word_embeddings: bool
     attention_bias: bool
-    # mixture of experts (chapter 20); num_experts 0: a dense model
+    # mixture of experts; num_experts 0: a dense model
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

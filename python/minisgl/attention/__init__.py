@@ -1,5 +1,4 @@
-"""Attention backends by name: `torch` (chapter 5), `fi`, `fa` and PREFILL,DECODE pairs
-(chapter 17)."""
+"""Attention backends by name (chapter 5): `torch`, `fi`, `fa` and PREFILL,DECODE pairs."""
 
 from __future__ import annotations
 
@@ -82,7 +81,7 @@ def _auto(device: torch.device, dtype: torch.dtype | None) -> tuple[str, str]:
 
 
 def create_attention_backend(name: str, config: ModelConfig) -> BaseAttnBackend:
-    """One backend, or a HybridBackend for `PREFILL,DECODE` (chapter 17)."""
+    """One backend, or a HybridBackend for `PREFILL,DECODE`."""
     prefill, _, decode = name.partition(",")
     if not decode or decode == prefill:
         return BACKENDS[prefill](config)

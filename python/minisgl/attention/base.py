@@ -26,7 +26,7 @@ class BaseAttnBackend(ABC):
         """Attention of q [T, Hq, D] over each request's cached tokens; the new k, v are
         already stored in the pool by AttentionLayer. Returns [T, Hq, D]."""
 
-    # CUDA graph hooks (chapter 18); a backend that cannot be captured keeps these defaults.
+    # CUDA graph hooks; a backend that cannot be captured keeps these defaults.
     @property
     def supports_graphs(self) -> bool:
         return type(self).prepare_for_replay is not BaseAttnBackend.prepare_for_replay

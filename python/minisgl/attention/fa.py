@@ -1,5 +1,5 @@
-"""The FlashAttention backend `fa`: FlashAttention 3 through sgl_kernel's
-flash_attn_with_kvcache, reading K/V through a page table (chapter 17)."""
+"""The FlashAttention backend `fa` (chapter 17): FlashAttention 3 through sgl_kernel's
+flash_attn_with_kvcache, reading K/V through a page table."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The FlashInfer backend `fi`: paged prefill and decode kernels, planned once per batch
-(chapter 17); decode wrappers with fixed buffers for CUDA graphs (chapter 18)."""
+"""The FlashInfer backend `fi` (chapter 17): paged prefill and decode kernels, planned once per
+batch; decode wrappers with fixed buffers for CUDA graphs."""
 
 from __future__ import annotations
 
@@ -51,14 +51,14 @@ class FlashInferBackend(BaseAttnBackend):
         self.head_dim, self.scale = config.head_dim, config.head_dim**-0.5
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # fa2, as the official: its "auto" picks fa3 on Hopper, so both engines run the same
-        # prefill kernels in chapter 21's comparison
+        # prefill kernels when the two are compared
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                       backend="fa2")
         # tensor cores pay off once several q heads share a kv head (FlashInfer's own advice)
         self.tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores)
-        self.graph_wrappers: dict[int, Any] = {}  # one per captured batch size (chapter 18)
+        self.graph_wrappers: dict[int, Any] = {}  # one per captured batch size
         self.layer_caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # views, by layer
         self.pin = device.type == "cuda"
         # plan stages the layout in one pinned host buffer of FlashInfer's and copies it to the
@@ -118,7 +118,7 @@ class FlashInferBackend(BaseAttnBackend):
         self.plan_copied.record()
         meta.planned = True
 
-    # graph hooks (chapter 18): a decode wrapper per batch size, over fixed device buffers
+    # graph hooks: a decode wrapper per batch size, over fixed device buffers
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
         max_bs, kw = max(bs_list), dict(dtype=torch.int32, device=self.device)
         self.graph_indptr = torch.zeros(max_bs + 1, **kw)

@@ -1,5 +1,5 @@
-"""HybridBackend (`--attn PREFILL,DECODE`): one backend for prefill batches, another for decode
-(chapter 17)."""
+"""HybridBackend (`--attn PREFILL,DECODE`, chapter 17): one backend for prefill batches, another
+for decode."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .base import BaseAttnBackend
 
 class HybridBackend(BaseAttnBackend):
     """Each batch goes whole to one of the two, by its phase. Graphs capture decode batches
-    only (chapter 18), so the graph hooks are the decode backend's."""
+    only, so the graph hooks are the decode backend's."""
 
     def __init__(self, prefill: BaseAttnBackend, decode: BaseAttnBackend) -> None:
         self.prefill, self.decode = prefill, decode

@@ -1,5 +1,5 @@
-"""The PyTorch reference backend `torch`: one batched attention per layer, K/V read through the
-page table (chapter 5); decode metadata in fixed buffers for graphs (chapter 18)."""
+"""The PyTorch reference backend `torch` (chapter 5): one batched attention per layer, K/V read
+through the page table; decode metadata in fixed buffers for graphs."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class TorchBackend(BaseAttnBackend):
         return out if meta.out_index is None else out.index_select(0, meta.out_index)
 
 
-    # graph hooks (chapter 18): decode metadata padded to the table's width, in fixed buffers
+    # graph hooks: decode metadata padded to the table's width, in fixed buffers
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
         ctx = get_global_ctx()
         device, max_bs = ctx.page_table.device, max(bs_list)

@@ -1,5 +1,5 @@
-"""The communicator: all-reduce, all-gather and broadcast over torch.distributed, gloo on CPU and
-NCCL on CUDA; the model code never names a backend (chapter 16)."""
+"""The communicator (chapter 16): all-reduce, all-gather and broadcast over torch.distributed, gloo
+on CPU and NCCL on CUDA; the model code never names a backend."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def shard_of(name: str, config: ModelConfig, tp: DistributedInfo) -> Shard:
         return Shard(1, heads.first_qo * d, (heads.first_qo + heads.qo_heads) * d,
                      heads.qo_heads * d)
     if part in ("gate_proj", "up_proj") or (part == "down_proj" and _kind == "weight"):
-        # an expert (mlp.experts.E.*) is cut like the MLP, on its own width (chapter 20)
+        # an expert (mlp.experts.E.*) is cut like the MLP, on its own width
         expert = len(prefix) > 1 and prefix[-2] == "experts"
         field = "moe_intermediate_size" if expert else "intermediate_size"
         inter = tp.split(getattr(config, field), field)
@@ -85,7 +85,7 @@ def local_config(config: ModelConfig, tp: DistributedInfo) -> ModelConfig:
     """The model as one rank sees it: its heads and its share of the MLP. The vocabulary stays
     whole here: the vocabulary layers cut it themselves (vocab_rows), as they must gather it
     back. Everything sized from the config (weights, the KV pool, attention) is then local.
-    An MoE model's experts are cut like the MLP, on moe_intermediate_size (chapter 20); its
+    An MoE model's experts are cut like the MLP, on moe_intermediate_size; its
     intermediate_size is split only if some layer has a dense MLP."""
     if tp.size == 1:
         return config

@@ -25,9 +25,9 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 1 << 30  # CPU: how much memory the KV pool may take
     seed: int = 42
     tp_info: DistributedInfo = DistributedInfo()  # this rank of the tensor-parallel group
-    dist_init: str = ""  # where the ranks meet (tcp://HOST:PORT or file://PATH); chapter 16
-    cuda_graph_max_bs: int | None = None  # None: 256 on a GPU, 0 (no graphs) on the CPU; ch. 18
-    moe_backend: str = "auto"  # an MoE model's experts: torch, triton; auto picks (chapter 20)
+    dist_init: str = ""  # where the ranks meet (tcp://HOST:PORT or file://PATH)
+    cuda_graph_max_bs: int | None = None  # None: 256 on a GPU, 0 (no graphs) on the CPU
+    moe_backend: str = "auto"  # an MoE model's experts: torch, triton; auto picks
 
     @cached_property
     def model_config(self) -> ModelConfig:

@@ -1,5 +1,4 @@
-"""The Engine: model, KV pool, page table, backend and sampler; runs one batch (chapter 6;
-decode replayed from CUDA graphs in chapter 18; the MoE backend in chapter 20)."""
+"""The Engine: model, KV pool, page table, backend and sampler; runs one batch (chapter 6)."""
 
 from __future__ import annotations
 
@@ -79,7 +78,7 @@ class Engine:
         free_before = self._free_memory()
         agree_free_memory(free_before)  # refuses ranks too far apart before any work
         backend = resolve_backend_name(config.attention_backend, self.device, self.dtype)
-        logger.info("kernels: %s", kernel.describe(self.device))  # chapter 19
+        logger.info("kernels: %s", kernel.describe(self.device))
         self.moe_backend: BaseMoeBackend | None = None
         if model_config.num_experts:  # before the weights: a missing Triton is said at once
             moe_name = resolve_moe_backend(config.moe_backend, self.device)
@@ -106,16 +105,16 @@ class Engine:
         self.ctx.attn_backend = self.attn_backend = create_attention_backend(backend,
                                                                              model_config)
         self.sampler = Sampler(self.device, model_config.vocab_size, config.seed)
-        # pads batches to a captured size later (chapter 18); its row points at the extra page
-        self.dummy_req = Req(torch.tensor([0], dtype=torch.int32), config.max_running_req, 0, 1,
-                             -1, SamplingParams())
+        # pads batches to a captured size; its row points at the extra page
+        self.dummy_req = Req(torch.tensor([0], dtype=torch.int32), table_idx=config.max_running_req,
+                             cached_len=0, output_len=1, uid=-1, sampling_params=SamplingParams())
         self.page_table[self.dummy_req.table_idx].fill_(num_tokens)
         self.graph_runner = GraphRunner(
             self.model, self.ctx, self.stream, self._graph_sizes(), config.model_config.vocab_size,
             self.dtype, self.dummy_req, dummy_slot=num_tokens)
 
     def _graph_sizes(self) -> list[int]:
-        """Decode batch sizes to capture (chapter 18). Default: up to 256 on a GPU; none on the
+        """Decode batch sizes to capture. Default: up to 256 on a GPU; none on the
         CPU, where an emulated graph checks the contract but saves nothing."""
         c = self.config
         max_bs = c.cuda_graph_max_bs

@@ -1,5 +1,5 @@
-"""GraphRunner: decode batches replayed from captured CUDA graphs, and EmulatedGraph, the same
-contract on the CPU (chapter 18)."""
+"""GraphRunner (chapter 18): decode batches replayed from captured CUDA graphs, and EmulatedGraph,
+the same contract on the CPU."""
 
 from __future__ import annotations
 
@@ -165,5 +165,5 @@ class GraphRunner:
         return self.logits[: batch.size]
 
     def destroy(self) -> None:
-        """Graphs go before the NCCL groups they captured (chapter 16) are torn down."""
+        """Graphs go before the NCCL groups they captured are torn down."""
         self.graphs.clear()

@@ -1,5 +1,5 @@
-"""The Sampler: greedy fast path; temperature / top-k / top-p per request (chapter 6; the
-draw without a sort, and our one-pass kernel for it, in chapter 21)."""
+"""The Sampler (chapter 6): greedy fast path; temperature / top-k / top-p per request; the draw
+without a sort, and our one-pass kernel for it."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def sample_without_cut(probs: torch.Tensor, generator: torch.Generator) -> torch
     """One token per row when no request cuts by k or p: argmax of p_i / E_i with E_i drawn from
     Exp(1), which picks i with probability p_i (the smallest of the E_i / p_i, independent
     exponentials of rates p_i, is i's with probability p_i). Two passes over the row and no
-    sort of the vocabulary, which cost 2.3 ms per step at batch 256 (chapter 21's profile)."""
+    sort of the vocabulary, which cost 2.3 ms per step at batch 256 in a profile."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a draw of exactly 0 would give 0 / 0
     return (probs / noise).argmax(dim=-1)

@@ -1,5 +1,5 @@
-"""Kernels: plain-PyTorch references that run anywhere (chapter 2; store_cache: 4), and our own
-CUDA kernels in their place where they apply (chapter 19).
+"""Kernels (chapter 2): plain-PyTorch references that run anywhere, and our own CUDA kernels in
+their place where they apply.
 
 MINISGL_KERNELS chooses: `auto` (the default) runs ours on CUDA tensors when nvcc can build
 them, `torch` always runs the references, `cuda` runs ours everywhere, on the CPU emulator
@@ -72,8 +72,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, start: int | None = None) -> torch.Tensor:
     """weight[ids]; or, for a rank holding the rows [start, start + len(weight)) of the
-    vocabulary (chapter 16), weight[ids - start] for its ids and zero rows for the others.
-    The whole table is torch's single gather: on the H200 ours was no faster (chapter 19)."""
+    vocabulary (tensor parallelism), weight[ids - start] for its ids and zero rows for the others.
+    The whole table is torch's single gather: on the H200 ours was no faster."""
     if start is None:
         return reference.embedding(ids, weight)
     if ours(weight):

@@ -1,5 +1,5 @@
-"""Our CUDA kernels (csrc/kernels.cu), built on first use and cached: with nvcc for the GPU, or
-with a host C++ compiler over the CPU emulator (csrc/emu.h) for checking on a CPU (chapter 19).
+"""Our CUDA kernels (csrc/kernels.cu, chapter 19), built on first use and cached: with nvcc for the
+GPU, or with a host C++ compiler over the CPU emulator (csrc/emu.h) for checking on a CPU.
 
 The library is a plain shared object with C entry points, called through ctypes with raw
 pointers and the current CUDA stream: no torch headers to compile against, so a build takes
@@ -223,7 +223,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, step: int) -> torch.Tensor:
     """One int32 token per row of logits [bs, vocab], drawn from softmax(logits / temperature)
-    in one pass (Gumbel-max, chapter 21); (seed, step, row) picks the random numbers, so a
+    in one pass (Gumbel-max); (seed, step, row) picks the random numbers, so a
     sampler passes a new step for every draw."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
     assert temperatures.dtype == torch.float32 and temperatures.is_contiguous()

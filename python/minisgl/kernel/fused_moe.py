@@ -1,5 +1,5 @@
-"""The Triton grouped GEMM of the fused MoE: one expert per row block, pairs read by sorted id
-(chapter 20). Imported only by the triton MoE backend: the package runs without Triton."""
+"""The Triton grouped GEMM of the fused MoE (chapter 20): one expert per row block, pairs read by
+sorted id. Imported only by the triton MoE backend: the package runs without Triton."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ class BaseKVCachePool(ABC):
 @dataclass(frozen=True)
 class BaseCacheHandle(ABC):
     """What a prefix match found: its first `cached_len` tokens already have K/V in the cache.
-    While a request holds its handle locked, those pages cannot be evicted (chapter 9).
+    While a request holds its handle locked, those pages cannot be evicted.
     `salt` is the cache salt of the match: the request's K/V are inserted under it later, and
     only requests with the same salt share cached prefixes (the default "" is one tenant)."""
 
@@ -66,7 +66,7 @@ class InsertResult(NamedTuple):
 
 
 class BasePrefixCache(ABC):
-    """Maps token prefixes to the KV slots that hold them (chapter 9)."""
+    """Maps token prefixes to the KV slots that hold them."""
 
     reuses_prefixes = True  # False for a cache that never matches anything
 

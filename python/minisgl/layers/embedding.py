@@ -18,7 +18,7 @@ from .base import BaseOP
 
 class VocabParallelEmbedding(BaseOP):
     """Under tensor parallelism each rank holds rows [start, stop) of the table (padded to an
-    equal share): ids elsewhere give zero rows, and the all-reduce fills them in (chapter 16)."""
+    equal share): ids elsewhere give zero rows, and the all-reduce fills them in."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         self.vocab_size, self._rows = vocab_size, vocab_rows(vocab_size, get_tp_info())
@@ -50,6 +50,6 @@ class ParallelLMHead(BaseOP):
         logits = F.linear(x, weight)
         if get_tp_info().size == 1:
             return logits
-        # every rank's share of the vocabulary, side by side, the padding cut off (chapter 16)
+        # every rank's share of the vocabulary, side by side, the padding cut off
         gathered = all_gather(logits)  # [tp, N, share]
         return gathered.permute(1, 0, 2).reshape(len(x), -1)[:, : self.vocab_size]

@@ -20,7 +20,7 @@ class _Linear(BaseOP):
 
 
 class LinearReplicated(_Linear):
-    """A plain linear layer (every TP rank holds all of it; chapter 16)."""
+    """A plain linear layer (every TP rank holds all of it)."""
 
 
 class LinearQKVMerged(_Linear):
@@ -40,8 +40,7 @@ class LinearColParallelMerged(_Linear):
 
 class LinearRowParallel(_Linear):
     """The MLP's down_proj. Under tensor parallelism each rank holds the columns of its share
-    of the input, so its output is a partial sum: all-reduced, and the bias added once after
-    (chapter 16)."""
+    of the input, so its output is a partial sum: all-reduced, and the bias added once after."""
 
     def __init__(self, input_size: int, output_size: int, has_bias: bool = False) -> None:
         super().__init__(input_size, output_size, has_bias)

@@ -14,7 +14,7 @@ class MoELayer(BaseOP):
     """gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows) and down_proj
     [E, H, I]. Under tensor parallelism I is this rank's share of moe_intermediate_size, as a
     dense MLP's is: each rank computes a partial sum of every expert's output, and one
-    all-reduce per layer adds them up (chapter 16's row-parallel rule)."""
+    all-reduce per layer adds them up (the row-parallel rule)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool) -> None:

@@ -1,5 +1,5 @@
-"""Rotary position embedding with a precomputed cos/sin table (chapter 2; looked up once per
-forward pass, so that graph replays look it up too, chapter 18; our kernel, chapter 19)."""
+"""Rotary position embedding with a precomputed cos/sin table (chapter 2), looked up once per
+forward pass so that graph replays look it up too; our kernel where it applies."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class RotaryEmbedding(StateLessOP):
 
     One instance serves every layer, and all layers of a forward pass get the same positions
     tensor: the table rows are looked up by the first layer and reused by the others. The key
-    is the tensor object and the forward pass's number: a CUDA graph (chapter 18) reuses one
+    is the tensor object and the forward pass's number: a CUDA graph reuses one
     positions tensor, edited in place, for every replay, and must look it up every time."""
 
     def __init__(self, head_dim: int, max_position: int, base: float) -> None:
@@ -34,7 +34,7 @@ class RotaryEmbedding(StateLessOP):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._table_on(positions.device)
-        if ours(q):  # one kernel, which reads its table rows itself (chapter 19)
+        if ours(q):  # one kernel, which reads its table rows itself
             return rope(positions, q, k, self._cos_sin_cache)
         key = (positions, forward_count(), q.dtype)
         if self._key is None or self._key[0] is not positions or self._key[1:] != key[1:]:

@@ -29,7 +29,7 @@ def check_requests(prompts: list[str] | list[list[int]],
                    vocab_size: int) -> list[SamplingParams]:
     """Refuse bad input before any work starts: each prompt is a str or a list of token ids in
     [0, vocab_size), with one SamplingParams for all or one per prompt (returned one per
-    prompt). The API server (chapter 15) checks its requests with it too."""
+    prompt)."""
     if isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params] * len(prompts)
     if len(sampling_params) != len(prompts):
@@ -56,11 +56,10 @@ class LLM(Scheduler):
     def __init__(self, model_path: str, dtype: torch.dtype | None = None, **config) -> None:
         """dtype None: bfloat16 on a GPU, float32 on the CPU. `config` takes the keywords of
         SchedulerConfig and EngineConfig: max_running_req, page_size, num_page_override,
-        max_seq_len_override, attention_backend, memory_ratio, device, seed, from chapters 9
-        and 10 on cache_type and max_extend_tokens, from chapter 16 tp_info and dist_init:
-        tensor parallelism runs one process per rank, each making its LLM with its own
-        DistributedInfo(rank, size) and the same dist_init rendezvous; from chapter 18
-        cuda_graph_max_bs, and from chapter 20 moe_backend."""
+        max_seq_len_override, attention_backend, memory_ratio, device, seed, cache_type,
+        max_extend_tokens, tp_info and dist_init (tensor parallelism runs one process per rank,
+        each making its LLM with its own DistributedInfo(rank, size) and the same dist_init
+        rendezvous), cuda_graph_max_bs and moe_backend."""
         if dtype is None:
             device = config.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32

@@ -21,7 +21,7 @@ class UserMsg:
     uid: int
     input_ids: torch.Tensor
     sampling_params: SamplingParams
-    cache_salt: str = ""  # shares cached prefixes only with the same salt (chapter 15)
+    cache_salt: str = ""  # shares cached prefixes only with the same salt
 
 
 @message
@@ -35,7 +35,7 @@ class AbortBackendMsg:
 @message
 @dataclass
 class StatsMsg:
-    """Ask the scheduler how it stands (chapter 15): it answers with a StatsReply of this uid,
+    """Ask the scheduler how it stands: it answers with a StatsReply of this uid,
     which the tokenizer passes on to the API server."""
 
     uid: int

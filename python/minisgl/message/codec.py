@@ -1,5 +1,5 @@
-"""msgpack encoding of the messages between processes: a type tag and a registry, no pickle
-(chapter 12)."""
+"""msgpack encoding of the messages between processes (chapter 12): a type tag and a registry, no
+pickle."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from .codec import message
 @dataclass
 class UserReply:
     """New text of a request since the last reply. The last reply has `finished` set, a
-    `finish_reason` ("stop", "length", "abort" from chapter 14 on, or "error", with `error`
+    `finish_reason` ("stop", "length", "abort", or "error", with `error`
     then saying why) and the token counts that the response's `usage` reports."""
 
     uid: int
@@ -26,7 +26,7 @@ class UserReply:
 @message
 @dataclass
 class StatsReply:
-    """The scheduler's answer to a StatsMsg (chapter 15). `idle`: nothing waiting, running or in
+    """The scheduler's answer to a StatsMsg. `idle`: nothing waiting, running or in
     flight; then `integrity` says whether every table row and KV page is back ("ok", or the
     error the scheduler's own check raised). `aborted`: requests ended by an abort so far."""
 

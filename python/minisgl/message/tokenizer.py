@@ -1,5 +1,5 @@
-"""Messages to the tokenizer process: from the API server (text in) and from the scheduler (token
-ids out) (chapter 12)."""
+"""Messages to the tokenizer process (chapter 12): from the API server (text in) and from the
+scheduler (token ids out)."""
 
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ class TokenizeMsg:
     uid: int
     prompt: str | list[dict[str, str]] | list[int]
     sampling_params: SamplingParams
-    stop: list[str]  # cut the output before the first of these strings (chapter 13)
-    cache_salt: str = ""  # shares cached prefixes only with the same salt (chapter 15)
+    stop: list[str]  # cut the output before the first of these strings
+    cache_salt: str = ""  # shares cached prefixes only with the same salt
 
 
 @message
 @dataclass
 class DetokenizeMsg:
     """One sampled token of a request, from the scheduler. `finish_reason` is set on the last
-    one: "stop" (EOS), "length" (max_tokens or the context is full), "abort" (chapter 14), or
+    one: "stop" (EOS), "length" (max_tokens or the context is full), "abort", or
     "error" with `error` saying why the request could not run (then `next_token` is -1)."""
 
     uid: int

@@ -1,5 +1,5 @@
-"""ZMQ queues between the server's processes, and ipc:// addresses unique to one server
-(chapter 12)."""
+"""ZMQ queues between the server's processes (chapter 12), and ipc:// addresses unique to one
+server."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ class ZmqPullQueue(_Receiver[T]):
 
 
 class ZmqPubQueue(_Queue, Generic[T]):
-    """Rank 0's broadcast to the other ranks of a tensor-parallel scheduler (chapter 16). No
+    """Rank 0's broadcast to the other ranks of a tensor-parallel scheduler. No
     high-water mark: a PUB socket drops what is over it, and a rank that misses one frame would
     leave the lockstep. XPUB: it sees each subscription arrive (see wait_subscribers)."""
 

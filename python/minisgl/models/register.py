@@ -1,5 +1,4 @@
-"""The model registry: architectures[0] of config.json -> model class (chapter 3; Qwen3-MoE:
-chapter 20)."""
+"""The model registry: architectures[0] of config.json -> model class (chapter 3)."""
 
 from __future__ import annotations
 

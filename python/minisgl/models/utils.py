@@ -1,5 +1,5 @@
 """The decoder blocks the models share: gated MLP, attention block, layer (chapter 3); an MoE
-model brings its own feed-forward block through CausalLM.make_mlp (chapter 20)."""
+model brings its own feed-forward block through CausalLM.make_mlp."""
 
 from __future__ import annotations
 

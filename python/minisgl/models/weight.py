@@ -1,5 +1,5 @@
-"""Weight loading: safetensors read straight into the final tensors, q/k/v merged (chapter 3);
-experts stacked (chapter 20)."""
+"""Weight loading (chapter 3): safetensors read straight into the final tensors, q/k/v merged,
+experts stacked."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _read_into(f: BinaryIO, base: int, info: dict, out: torch.Tensor,
                rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> None:
     """Read one tensor's bytes from the open file into `out` (any dtype, any device): all of
     it, or only rows [a, b) (one read), or only columns [a, b) of a matrix (one read per row):
-    a tensor-parallel rank reads just its slice (chapter 16)."""
+    a tensor-parallel rank reads just its slice."""
     start, end = info["data_offsets"]
     src_dtype, shape = _DTYPES[info["dtype"]], info["shape"]
     item = src_dtype.itemsize
@@ -88,7 +88,7 @@ def _destination(name: str) -> tuple[str, str | None, int | None]:
     """Our name for an HF tensor, which part of a merged tensor it is (None: not merged), and
     which expert it belongs to (None: no expert's). HF stores each expert apart
     (mlp.experts.3.gate_proj.weight); we stack them: that is [3] of mlp.experts.gate_up_proj,
-    an [E, 2I, H] tensor (chapter 20)."""
+    an [E, 2I, H] tensor."""
     *prefix, part, kind = name.split(".")  # e.g. [...self_attn], q_proj, weight
     merged = part in _MERGES
     if len(prefix) > 1 and prefix[-2] == "experts" and prefix[-1].isdigit():
@@ -109,9 +109,9 @@ def load_weight(model_path: str | Path, device: torch.device, dtype: torch.dtype
     The headers are read first, so every result tensor (merged ones included) is allocated
     once at its final size and each tensor's bytes are read straight into its rows: no
     intermediate copies, so loading needs about one copy of the weights and no more.
-    `shards(name)` is a tensor-parallel rank's slice of each tensor (chapter 16): the rank
+    `shards(name)` is a tensor-parallel rank's slice of each tensor: the rank
     allocates and reads only that, so it needs about 1/tp of the weights. An expert's tensors
-    go to their row of the stacked tensor, each read in place like the others (chapter 20)."""
+    go to their row of the stacked tensor, each read in place like the others."""
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_path}")

@@ -23,7 +23,7 @@ class BaseMoeBackend(ABC):
     """Runs one layer's experts. Weights: gate_up [E, 2I, H] (gate rows, then up rows) and
     down [E, H, I]; a tensor-parallel rank passes its I / tp share and sums afterwards."""
 
-    supports_graphs = False  # whether a CUDA graph may capture it (no host reads; chapter 18)
+    supports_graphs = False  # whether a CUDA graph may capture it (no host reads)
 
     @abstractmethod
     def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

@@ -1,5 +1,4 @@
-"""CacheManager: the scheduler's KV pages, a free list (chapter 7) plus the prefix cache
-(chapter 9)."""
+"""CacheManager: the scheduler's KV pages, a free list plus the prefix cache (chapter 7)."""
 
 from __future__ import annotations
 

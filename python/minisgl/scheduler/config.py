@@ -9,8 +9,8 @@ from minisgl.engine import EngineConfig
 
 @dataclass(frozen=True)
 class SchedulerConfig(EngineConfig):
-    cache_type: str = "radix"  # prefix cache: "radix" or "naive" (chapter 9)
-    max_extend_tokens: int = 8192  # prompt tokens one prefill batch may compute (chapter 10)
+    cache_type: str = "radix"  # prefix cache: "radix" or "naive"
+    max_extend_tokens: int = 8192  # prompt tokens one prefill batch may compute
 
     def __post_init__(self) -> None:
         if self.max_extend_tokens < 1:

@@ -26,7 +26,7 @@ class DecodeManager:
 
     @property
     def inflight_tokens(self) -> int:
-        """KV tokens the running requests may still need (chapter 8): their remaining output,
+        """KV tokens the running requests may still need: their remaining output,
         plus up to a page each of rounding, since pages are allocated whole."""
         return sum(r.remain_len + self.page_size - 1 for r in self.running.values())
 

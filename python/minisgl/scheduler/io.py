@@ -34,10 +34,10 @@ class SchedulerExit(Exception):
 
 
 class ServerScheduler(Scheduler):
-    """The same loop as the offline LLM (chapter 7): only the two I/O hooks differ. Requests
+    """The same loop as the offline LLM: only the two I/O hooks differ. Requests
     come from the tokenizer process, tokens go to the detokenizer, one frame per step.
 
-    With tensor parallelism (chapter 16) every rank runs this loop on the same messages, so all
+    With tensor parallelism every rank runs this loop on the same messages, so all
     step through the same batches: rank 0 receives, forwards each frame as it is to the other
     ranks (ZMQ PUB/SUB on `fanout`) and broadcasts how many it forwarded; only rank 0 replies."""
 
@@ -61,7 +61,7 @@ class ServerScheduler(Scheduler):
             if self.fanout is not None:
                 self.fanout.wait_subscribers(self.tp.size - 1)
             broadcast(torch.zeros(1))  # a barrier on the host group
-        self.aborted_reqs = 0  # requests ended by an abort (chapter 15's stats)
+        self.aborted_reqs = 0  # requests ended by an abort, for the stats
 
     def _receive_frames(self, blocking: bool) -> list[bytes]:
         """The frames that arrived, the same list on every rank. Waits (for the first) only when
@@ -112,7 +112,7 @@ class ServerScheduler(Scheduler):
         return reqs
 
     def _stats(self, uid: int, idle: bool) -> StatsReply:
-        """How the scheduler stands (chapter 15); when idle, with its own integrity check, so
+        """How the scheduler stands; when idle, with its own integrity check, so
         a test can see every row and page come back after clients went away."""
         integrity = None
         if idle:

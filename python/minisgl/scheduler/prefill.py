@@ -1,5 +1,5 @@
-"""PrefillManager and PrefillAdder: which waiting requests join the next prefill batch
-(chapter 7; admission control in chapter 8, prefix matching in 9, chunks in 10)."""
+"""PrefillManager and PrefillAdder (chapter 7): which waiting requests join the next prefill
+batch, within the budgets, with prefix matching and prompts in chunks."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from .table import TableManager
 from .utils import PendingReq
 
 # a request that shares this many more tokens with a request already in the batch than it
-# finds in the cache waits one step, and then finds them in the cache (chapter 9)
+# finds in the cache waits one step, and then finds them in the cache
 DEFER_MIN_SHARED = 32
 
 
 class ChunkedReq(Req):
-    """A prompt computed in parts (chapter 10): it keeps its row and handle between steps, is
+    """A prompt computed in parts: it keeps its row and handle between steps, is
     never decoded, and the token sampled after a part is thrown away."""
 
     def append_host(self, next_token: int | torch.Tensor) -> None:
@@ -32,7 +32,7 @@ class ChunkedReq(Req):
 
 
 class PrefillAdder:
-    """Admits requests into one prefill batch while the budgets allow (chapter 8)."""
+    """Admits requests into one prefill batch while the budgets allow."""
 
     def __init__(self, token_budget: int, reserved_size: int, cache_manager: CacheManager,
                  table_manager: TableManager) -> None:
@@ -92,8 +92,9 @@ class PrefillAdder:
         pool[row, cached_len:end] = pending.input_ids[cached_len:end].to(pool.device,
                                                                            non_blocking=True)
         cls = ChunkedReq if size < remain else Req
-        return cls(pending.input_ids[:end], row, cached_len, pending.output_len, pending.uid,
-                   pending.sampling_params, handle)
+        return cls(pending.input_ids[:end], table_idx=row, cached_len=cached_len,
+                   output_len=pending.output_len, uid=pending.uid,
+                   sampling_params=pending.sampling_params, cache_handle=handle)
 
 
 class PrefillManager:
@@ -145,7 +146,7 @@ class PrefillManager:
                      heads: dict[tuple[str, bytes], list[Req]]) -> bool:
         """Does a request already in this batch hold a prefix of ours that the cache does not
         have yet? Requests of one batch cannot read each other's K/V, so computing that prefix
-        twice would be waste: better wait one step and find it in the cache (chapter 9). Only
+        twice would be waste: better wait one step and find it in the cache. Only
         a request with our salt counts: we would never find another salt's prefix there. Only
         the batch's requests that begin as we do are compared (a dict lookup, where comparing
         against all of them cost O(batch^2) token comparisons per prefill)."""
@@ -165,5 +166,5 @@ class PrefillManager:
 
     @property
     def chunking(self) -> bool:
-        """A prompt is part-way through its prefill (chapter 15 gives decoding a turn then)."""
+        """A prompt is part-way through its prefill (the server gives decoding a turn then)."""
         return bool(self.pending) and self.pending[0].chunked_req is not None

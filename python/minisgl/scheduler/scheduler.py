@@ -34,7 +34,7 @@ from .trace import LaunchProfile, StepTrace
 from .utils import PendingReq, SchedulerStats, TokenReply
 
 logger = logging.getLogger(__name__)
-ABORT_MARK_TTL_S = 60.0  # an abort mark nothing claims is dropped after this (chapter 14)
+ABORT_MARK_TTL_S = 60.0  # an abort mark nothing claims is dropped after this
 Indices2D = tuple[torch.Tensor, torch.Tensor]  # (rows, columns) of the page table / token pool
 
 
@@ -53,14 +53,14 @@ ForwardData = tuple[ForwardInput, ForwardOutput]
 
 
 class Scheduler:
-    decode_between_chunks = False  # the server turns it on (chapter 15)
+    decode_between_chunks = False  # the server turns it on
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.engine = Engine(config)
         self.device = self.engine.device
         # the most prompt + output tokens a request may have: the engine's limit, and what an
-        # empty KV pool can promise once a page of rounding is counted (chapter 8)
+        # empty KV pool can promise once a page of rounding is counted
         self.max_seq_len = min(self.engine.max_seq_len,
                                self.engine.num_pages * config.page_size - config.page_size + 1)
         # the scheduler works on its own stream, so preparing batch N+1 overlaps batch N
@@ -77,13 +77,13 @@ class Scheduler:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.overlap = os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0") != "1"
         self.finished_reqs: set[Req] = set()  # finished while the next batch was in flight
-        self.aborted: dict[int, float] = {}  # uid -> when; stopped at its next token (ch. 14)
+        self.aborted: dict[int, float] = {}  # uid -> when; stopped at its next token
         self.stats = SchedulerStats()
         self.decode_turn = False  # the last batch was a prefill (see _schedule_next_batch)
         self.trace = StepTrace.from_env()  # MINISGL_STEP_TRACE=file: per-step timings
         self.launch_profile = LaunchProfile.from_env()  # MINISGL_LAUNCH_PROFILE=file[:n]
 
-    # -- the I/O a subclass provides: the offline LLM here, the server's process in chapter 14
+    # -- the I/O a subclass provides: the offline LLM's, or the server process's
     def receive_reqs(self, blocking: bool) -> list[PendingReq]:
         raise NotImplementedError
 
@@ -209,7 +209,7 @@ class Scheduler:
         """Prefill first (new requests start early), else decode every running request. With
         `decode_between_chunks` (the server's), while a prompt is prefilled in chunks the
         running requests get every other step: a long prompt slows their streams instead of
-        stopping them (chapter 15)."""
+        stopping them."""
         batch = None
         if self.decode_between_chunks and self.decode_turn and self.prefill_manager.chunking:
             batch = self.decode_manager.schedule_next_batch()
@@ -226,14 +226,14 @@ class Scheduler:
     def _prepare_batch(self, batch: Batch) -> ForwardInput:
         logger.debug("%-7s %s", batch.phase,
                      " ".join(f"{r.uid}+{r.extend_len}" for r in batch.reqs))
-        self.engine.graph_runner.pad(batch)  # dummies up to a captured size (chapter 18)
+        self.engine.graph_runner.pad(batch)  # dummies up to a captured size
         self.cache_manager.allocate_paged(batch.reqs)
         load = table_cells([(r.table_idx, r.cached_len, r.extend_len) for r in batch.padded_reqs],
                            self.device)  # the page-table cells of this batch's positions
         batch.positions = load[1].to(torch.int32)
         batch.out_loc = self.engine.page_table[load]
         # each sampled token goes to its request's next position; one that can never be read
-        # (no decode follows: a prompt chunk, chapter 10) goes to a scratch column, the last
+        # (no decode follows: a prompt chunk) goes to a scratch column, the last
         write = ([r.table_idx for r in batch.reqs],
                  [r.device_len if r.can_decode else -1 for r in batch.reqs])
         write_indices = (to_device(write[0], torch.int64, self.device),

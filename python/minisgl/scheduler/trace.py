@@ -1,5 +1,5 @@
-"""StepTrace: where each step of the scheduler's loop spends its time, for profiling a server
-under load (chapter 21). Off unless MINISGL_STEP_TRACE names a file; then every step appends one
+"""StepTrace (chapter 21): where each step of the scheduler's loop spends its time, for profiling
+a server under load. Off unless MINISGL_STEP_TRACE names a file; then every step appends one
 row in memory (at most MAX_ROWS) and the rows are written there as JSON lines at shutdown.
 LaunchProfile: the operators inside the prefill launches, under MINISGL_LAUNCH_PROFILE."""
 

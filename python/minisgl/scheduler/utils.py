@@ -21,8 +21,8 @@ class PendingReq:
     uid: int
     input_ids: torch.Tensor  # int32 on the CPU: the whole prompt
     sampling_params: SamplingParams
-    chunked_req: ChunkedReq | None = None  # chapter 10
-    cache_salt: str = ""  # shares cached prefixes only with the same salt (chapter 15)
+    chunked_req: ChunkedReq | None = None  # while the prompt is prefilled in parts
+    cache_salt: str = ""  # shares cached prefixes only with the same salt
 
     @property
     def input_len(self) -> int:
@@ -39,7 +39,7 @@ class TokenReply(NamedTuple):
     uid: int
     next_token: int  # -1 when there is none (an aborted request)
     finished: bool
-    finish_reason: str | None = None  # "stop", "length" or "abort" (chapter 14)
+    finish_reason: str | None = None  # "stop", "length" or "abort"
 
 
 @dataclass
@@ -49,4 +49,4 @@ class SchedulerStats:
     prefill_batches: int = 0
     decode_batches: int = 0
     prefill_tokens: int = 0  # prompt tokens computed by prefill batches
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead (chapter 9)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead

@@ -1,5 +1,5 @@
-"""The HTTP front: OpenAI's chat and completion endpoints, /generate, /v1/models, /health
-(chapter 15)."""
+"""The HTTP front (chapter 15): OpenAI's chat and completion endpoints, /generate, /v1/models,
+/health."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from minisgl.core import SamplingParams
 from minisgl.message import UserReply
 
 from .frontend import FrontendManager
@@ -145,7 +146,8 @@ def create_app(model_name: str, max_seq_len: int,
 
 
 async def _answer(request: Request, m: FrontendManager, shape: Shape | None,
-                  prompt: str | list[dict[str, str]] | list[int], params: Any, stop: list[str],
+                  prompt: str | list[dict[str, str]] | list[int], params: SamplingParams,
+                  stop: list[str],
                   stream: bool, include_usage: bool, cache_salt: str | None) -> Response:
     """Submit, wait for the first reply (so that an error can still be a 4xx), then answer
     whole or as server-sent events. A client that goes away aborts the request."""

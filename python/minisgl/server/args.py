@@ -19,7 +19,7 @@ from .limits import Limits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # prompt tokens per prefill step: while a long prompt fills in such steps, running streams get
-# every other step (chapter 15); on the CPU a smaller step keeps their gaps short (measured there)
+# every other step; on the CPU a smaller step keeps their gaps short (measured there)
 GPU_PREFILL_CHUNK, CPU_PREFILL_CHUNK = 8192, 256
 
 
@@ -30,7 +30,7 @@ class ServerArgs:
     port: int
     num_tokenizer: int
     shell: bool
-    limits: Limits  # what a client may do and use (chapter 15)
+    limits: Limits  # what a client may do and use
 
     @property
     def tp_size(self) -> int:

@@ -1,5 +1,5 @@
-"""FrontendManager: the API server's end of the sockets. A uid per request, a reply list and an
-event per uid, one listener task that files every reply under its uid (chapter 15)."""
+"""FrontendManager (chapter 15): the API server's end of the sockets. A uid per request, a reply
+list and an event per uid, one listener task that files every reply under its uid."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The launcher: starts the scheduler and tokenizer processes, serves HTTP (or the shell) once
-every one is ready, and stops them all on the way out, whatever ends it (chapter 15; the
-children log at INFO from chapter 18)."""
+"""The launcher (chapter 15): starts the scheduler and tokenizer processes, serves HTTP (or the
+shell) once every one is ready, and stops them all on the way out, whatever ends it; the
+children log at INFO."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ class Child:
 
 
 class Addresses:
-    """The ipc:// sockets of one server, in its private folder (chapter 12), and where its
-    tensor-parallel ranks meet (chapter 16): a file there, so no port can be taken already."""
+    """The ipc:// sockets of one server, in its private folder, and where its
+    tensor-parallel ranks meet: a file there, so no port can be taken already."""
 
     def __init__(self, ns: IpcNamespace) -> None:
         self.scheduler, self.detokenizer = ns.addr("scheduler"), ns.addr("detokenizer")
@@ -90,7 +90,7 @@ def _child_main(target: Callable[..., None], kwargs: dict[str, Any]) -> None:
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     # a spawned child starts with logging unconfigured: its INFO lines (the attention backend
-    # chosen, the graphs captured; chapters 17-18) would be dropped
+    # chosen, the graphs captured) would be dropped
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     target(**kwargs)
 

@@ -1,5 +1,5 @@
-"""What a client may do and use: the API key, loopback Host names, JSON bodies, readiness, and
-the limits on connections, header and body reads (chapter 15)."""
+"""What a client may do and use (chapter 15): the API key, loopback Host names, JSON bodies,
+readiness, and the limits on connections, header and body reads."""
 
 from __future__ import annotations
 

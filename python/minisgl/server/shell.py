@@ -1,5 +1,5 @@
-"""`--shell`: a multi-turn chat in the terminal, on the same processes as the server
-(chapter 15)."""
+"""`--shell` (chapter 15): a multi-turn chat in the terminal, on the same processes as the
+server."""
 
 from __future__ import annotations
 

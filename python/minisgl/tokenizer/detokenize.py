@@ -1,5 +1,5 @@
-"""DetokenizeManager: token ids back to text, a few characters at a time, with stop strings
-(chapter 13)."""
+"""DetokenizeManager (chapter 13): token ids back to text, a few characters at a time, with stop
+strings."""
 
 from __future__ import annotations
 

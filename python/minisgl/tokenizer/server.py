@@ -1,5 +1,5 @@
-"""The tokenizer process: tokenizes new requests for the scheduler and detokenizes its tokens for
-the API server; one process does both unless --num-tokenizer asks for workers (chapter 13)."""
+"""The tokenizer process (chapter 13): tokenizes new requests for the scheduler and detokenizes
+its tokens for the API server; one process does both unless --num-tokenizer asks for workers."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class TokenizerServer:
                 to_scheduler.append(AbortBackendMsg(msg.uid))
             elif isinstance(msg, DetokenizeSetupMsg):
                 setups.append(msg)
-            elif isinstance(msg, StatsMsg):  # passed through, both ways (chapter 15)
+            elif isinstance(msg, StatsMsg):  # passed through, both ways
                 to_scheduler.append(msg)
             elif isinstance(msg, StatsReply):
                 replies.append(msg)
@@ -116,7 +116,7 @@ def pump(server: TokenizerServer, pull: ZmqPullQueue[TokenizerMsg],
     """One wake-up: the next frame only (one request from the API server, or one step's tokens
     from the scheduler), handled and sent on at once. So a burst of requests reaches the
     scheduler one by one, and a step's tokens wait behind at most one request's tokenization
-    (chapter 21: draining every queued frame first made the first of 64 requests wait for the
+    (draining every queued frame first made the first of 64 requests wait for the
     tokenization of all 64)."""
     to_scheduler, replies, setups = server.handle(_unbatch(pull.get()))
     if to_detok is not None and setups:  # sent before the requests go on, as a rule

@@ -1,5 +1,5 @@
-"""TokenizeManager: a request's prompt (plain text, a chat, or token ids) to token ids
-(chapter 13)."""
+"""TokenizeManager (chapter 13): a request's prompt (plain text, a chat, or token ids) to token
+ids."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Device abstraction: CUDA streams, events and pinned memory, no-ops on the CPU (chapter 6;
-stream contexts for the overlap loop in chapter 11)."""
+"""Device abstraction (chapter 6): CUDA streams, events and pinned memory, no-ops on the CPU;
+stream contexts for the overlap loop."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class NullStream:
 
 def pick_device(requested: str | None = None, rank: int = 0) -> torch.device:
     """CUDA when present, else the CPU; never MPS (its float32 is not exact enough to match HF).
-    A CUDA device without an index is the rank's GPU: cuda:rank (chapter 16)."""
+    A CUDA device without an index is the rank's GPU: cuda:rank."""
     if requested:
         device = torch.device(requested)
     else:

@@ -1,6 +1,6 @@
 // The engine's own CUDA kernels (chapter 19): the KV store (one warp per token), the embedding of
-// a vocabulary range (tensor parallelism, chapter 16), RMSNorm with the residual add fused in,
-// rotary embedding and SiLU-and-mul; chapter 21 moves 16 bytes per load where the data allows,
+// a vocabulary range (tensor parallelism), RMSNorm with the residual add fused in,
+// rotary embedding and SiLU-and-mul. It moves 16 bytes per load where the data allows,
 // gives short rows (Qwen3's q/k norms) a warp each, fuses those norms with the rotary embedding
 // (one launch for three: a launch costs the host more than these kernels cost the GPU), and adds
 // the draw of a token from logits.
@@ -52,7 +52,7 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// N elements of T moved by one load or store: 16 bytes when N = 16 / sizeof(T) (chapter 21)
+// N elements of T moved by one load or store: 16 bytes when N = 16 / sizeof(T)
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
@@ -86,7 +86,7 @@ __global__ void store_kv_kernel(Word* __restrict__ k_cache, Word* __restrict__ v
 }
 
 // Row t of out is weight[ids[t] - start] when start <= ids[t] < start + rows, else zeros
-// (another rank holds that id, chapter 16). One block per token; threads stride over the row.
+// (another rank holds that id). One block per token; threads stride over the row.
 __global__ void embedding_kernel(uint16_t* __restrict__ out, const uint16_t* __restrict__ weight,
                                  const int32_t* __restrict__ ids, int64_t start, int64_t rows,
                                  int64_t row_units) {
@@ -288,7 +288,7 @@ __device__ __forceinline__ void block_argmax(float& key, int& index) {
 }
 
 // One block per row of logits: the token argmax_i (logits_i / T - log E_i), E_i drawn from Exp(1),
-// which is i with probability softmax(logits / T)_i (the Gumbel-max trick: chapter 21's race in
+// which is i with probability softmax(logits / T)_i (the Gumbel-max trick: the Sampler's race in
 // logarithms, so no softmax pass). E_i = -log u, u uniform in (0, 1) from 23 bits of Philox
 // (seed; counter: i / 4, the row, the step): never 0 or 1, so every key is finite. One read of
 // the logits, N = 4 of them a load when the rows allow.
@@ -499,7 +499,7 @@ int silu_and_mul(void* out, const void* x, int dtype, int64_t rows, int64_t d, v
   });
 }
 
-// out: [rows] int32 tokens; temperatures: [rows] float32 (chapter 21)
+// out: [rows] int32 tokens; temperatures: [rows] float32
 int sample(void* out, const void* logits, const void* temperatures, int dtype, int64_t rows,
            int64_t row_stride, int64_t vocab, uint64_t seed, uint64_t step, void* stream) {
   if (rows == 0) return 0;

@@ -1,5 +1,5 @@
 // LAUNCH(kernel, grid, block, stream)(args...): a CUDA launch under nvcc, the CPU emulator
-// (emu.h) under a host compiler with MINISGL_EMULATE defined (chapter 19). Either way it
+// (emu.h) under a host compiler with MINISGL_EMULATE defined. Either way it
 // evaluates to 0 or an error code that launch_error() explains.
 #pragma once
 #ifdef MINISGL_EMULATE
