@@ -1,4 +1,4 @@
-"""KV cache: the paged pool (chapter 4) and the prefix caches, radix and naive (chapter 9)."""
+"""KV cache (chapter 4): the paged pool and the prefix caches, radix and naive."""
 
 from __future__ import annotations
 

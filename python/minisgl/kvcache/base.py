@@ -1,4 +1,4 @@
-"""The KV cache pool interface (chapter 4) and the prefix cache interface (chapter 9)."""
+"""The KV cache pool interface (chapter 4) and the prefix cache interface."""
 
 from __future__ import annotations
 

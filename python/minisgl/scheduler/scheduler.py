@@ -1,6 +1,6 @@
-"""The Scheduler: admits requests, builds batches, runs them, hands out tokens (chapter 7;
-admission in 8, prefix caching in 9, chunked prefill in 10, the overlap loop in 11, aborts in
-14)."""
+"""The Scheduler (chapter 7): admits requests, builds batches, runs them, hands out tokens.
+Around that loop: admission control, prefix caching, chunked prefill, the overlap loop and
+aborts."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""Small shared utilities: the name registry (chapter 5), the device abstraction (chapter 6)."""
+"""Small shared utilities (chapter 5): the name registry, the device abstraction."""
