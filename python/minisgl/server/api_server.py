@@ -34,6 +34,7 @@ from .protocol import (
 from .protocol import Response as Shape
 
 T = TypeVar("T")
+Batch = list[UserReply]  # the replies a stream's reader found waiting when it woke
 logger = logging.getLogger(__name__)
 
 # the answers every route may give besides 200, documented in /openapi.json
@@ -152,19 +153,19 @@ async def _answer(request: Request, m: FrontendManager, shape: Shape | None,
     """Submit, wait for the first reply (so that an error can still be a 4xx), then answer
     whole or as server-sent events. A client that goes away aborts the request."""
     uid = await m.submit(prompt, params, stop, cache_salt or "")
-    replies = m.replies(uid)
+    batches = m.batches(uid)
     try:
-        first = await _unless_gone(request, replies.__anext__())
+        first = await _unless_gone(request, batches.__anext__())
     except ClientGone:
-        await replies.aclose()
+        await batches.aclose()
         return Response(status_code=499)  # nobody reads it; the request is aborted
-    if first.finish_reason == "error":
-        await replies.aclose()
-        raise _error_of(first, m)
+    if first[0].finish_reason == "error":
+        await batches.aclose()
+        raise _error_of(first[0], m)
     if not stream:
-        async with aclosing(replies):
+        async with aclosing(batches):
             try:
-                last, text = await _unless_gone(request, _collect(first, replies))
+                last, text = await _unless_gone(request, _collect(first, batches))
             except ClientGone:
                 return Response(status_code=499)
         if last.finish_reason == "error":
@@ -173,8 +174,8 @@ async def _answer(request: Request, m: FrontendManager, shape: Shape | None,
         if shape is None:
             return JSONResponse({"text": text, "finish_reason": last.finish_reason, "usage": u})
         return JSONResponse(shape.full(text, _openai_reason(last), u))
-    events = (_generate_events(first, replies) if shape is None
-              else _openai_events(shape, first, replies, include_usage))
+    events = (_generate_events(first, batches) if shape is None
+              else _openai_events(shape, first, batches, include_usage))
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
@@ -200,12 +201,11 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(first: UserReply, replies: AsyncIterator[UserReply]) -> tuple[UserReply, str]:
-    text, last = [first.incremental_output], first
-    if not first.finished:
-        async for reply in replies:
-            text.append(reply.incremental_output)
-            last = reply
+async def _collect(first: Batch, batches: AsyncIterator[Batch]) -> tuple[UserReply, str]:
+    text, last = [r.incremental_output for r in first], first[-1]
+    async for batch in _rest(first, batches):
+        text += [r.incremental_output for r in batch]
+        last = batch[-1]
     return last, "".join(text)
 
 
@@ -223,45 +223,66 @@ def _sse(obj: object) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-async def _stream(first: UserReply, replies: AsyncIterator[UserReply]
-                  ) -> AsyncIterator[UserReply]:
+async def _rest(first: Batch, batches: AsyncIterator[Batch]) -> AsyncIterator[Batch]:
+    """The batches after the first, none if the first ended the request."""
+    if not first[-1].finished:
+        async for batch in batches:
+            yield batch
+
+
+async def _all(first: Batch, batches: AsyncIterator[Batch]) -> AsyncIterator[Batch]:
     yield first
-    if not first.finished:
-        async for reply in replies:
-            yield reply
+    async for batch in _rest(first, batches):
+        yield batch
 
 
-async def _openai_events(shape: Shape, first: UserReply, replies: AsyncIterator[UserReply],
+async def _openai_events(shape: Shape, first: Batch, batches: AsyncIterator[Batch],
                          include_usage: bool) -> AsyncIterator[bytes]:
     """role first, then the text as it comes, one chunk with the finish reason, with
-    include_usage a last chunk with no choices and the usage, then [DONE]."""
-    async with aclosing(replies):
+    include_usage a last chunk with no choices and the usage, then [DONE]. The events of
+    replies that came together go out in one write."""
+    out: list[bytes] = []
+    async with aclosing(batches):
         if shape.chat:
-            yield _sse(shape.chunk(None, role=True, with_usage=include_usage))
-        async for reply in _stream(first, replies):
-            if reply.finish_reason == "error":  # a process died mid-stream
-                yield _sse(APIError(503, reply.error or "", kind="service_unavailable").body())
+            out.append(_sse(shape.chunk(None, role=True, with_usage=include_usage)))
+        async for batch in _all(first, batches):
+            for reply in batch:
+                if reply.finish_reason == "error":  # a process died mid-stream
+                    out.append(_sse(APIError(503, reply.error or "",
+                                             kind="service_unavailable").body()))
+                    break
+                if reply.incremental_output:
+                    out.append(_sse(shape.chunk(reply.incremental_output,
+                                                with_usage=include_usage)))
+                if reply.finished:
+                    out.append(_sse(shape.chunk(None, _openai_reason(reply),
+                                                with_usage=include_usage)))
+                    if include_usage:
+                        out.append(_sse(shape.chunk(None, usage=usage(
+                            reply.prompt_tokens, reply.completion_tokens))))
+            if batch[-1].finished:  # an error ends its batch too
                 break
-            if reply.incremental_output:
-                yield _sse(shape.chunk(reply.incremental_output, with_usage=include_usage))
-            if reply.finished:
-                yield _sse(shape.chunk(None, _openai_reason(reply), with_usage=include_usage))
-                if include_usage:
-                    yield _sse(shape.chunk(None, usage=usage(reply.prompt_tokens,
-                                                             reply.completion_tokens)))
-        yield b"data: [DONE]\n\n"
+            yield b"".join(out)
+            out = []
+    out.append(b"data: [DONE]\n\n")
+    yield b"".join(out)
 
 
-async def _generate_events(first: UserReply, replies: AsyncIterator[UserReply]
-                           ) -> AsyncIterator[bytes]:
+async def _generate_events(first: Batch, batches: AsyncIterator[Batch]) -> AsyncIterator[bytes]:
     """/generate's events: {"text"} as it comes; the last adds finish_reason and usage."""
-    async with aclosing(replies):
-        async for reply in _stream(first, replies):
-            event: dict[str, Any] = {"text": reply.incremental_output}
-            if reply.finished:
-                event["finish_reason"] = reply.finish_reason
-                event["usage"] = usage(reply.prompt_tokens, reply.completion_tokens)
-                if reply.error:
-                    event["error"] = reply.error
-            yield _sse(event)
-        yield b"data: [DONE]\n\n"
+    out: list[bytes] = []
+    async with aclosing(batches):
+        async for batch in _all(first, batches):
+            for reply in batch:
+                event: dict[str, Any] = {"text": reply.incremental_output}
+                if reply.finished:
+                    event["finish_reason"] = reply.finish_reason
+                    event["usage"] = usage(reply.prompt_tokens, reply.completion_tokens)
+                    if reply.error:
+                        event["error"] = reply.error
+                out.append(_sse(event))
+            if not batch[-1].finished:
+                yield b"".join(out)
+                out = []
+    out.append(b"data: [DONE]\n\n")
+    yield b"".join(out)

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from minisgl.core import SamplingParams
@@ -86,24 +87,36 @@ class FrontendManager:
         self.requests += 1
         return uid
 
-    async def replies(self, uid: int) -> AsyncIterator[UserReply]:
-        """The request's replies in order, up to the finished one. Leaving early (the client
-        went away: the reader is cancelled or closes this generator) aborts the request."""
+    async def batches(self, uid: int) -> AsyncIterator[list[UserReply]]:
+        """The request's replies in order, up to the finished one, as lists: each holds every
+        reply that had come when its reader woke. A reader that keeps up gets one reply at a
+        time; one that falls behind (a loaded server) gets several and can send them in one
+        write. Leaving early (the client went away: the reader is cancelled or closes this
+        generator) aborts the request."""
         inbox, finished = self.inboxes[uid], False
         try:
             while not finished:
                 await inbox.event.wait()
                 inbox.event.clear()  # nothing runs in between: no reply can be missed
                 batch, inbox.replies = inbox.replies, []
-                for reply in batch:
+                for i, reply in enumerate(batch):
                     assert isinstance(reply, UserReply)
-                    finished = reply.finished
-                    yield reply
+                    if reply.finished:  # nothing after it belongs to the request
+                        finished, batch = True, batch[:i + 1]
+                        break
+                yield batch  # type: ignore[misc]
         finally:
             del self.inboxes[uid]
             self.requests -= 1
             if not finished:
                 self.abort(uid)
+
+    async def replies(self, uid: int) -> AsyncIterator[UserReply]:
+        """The same replies one at a time (closing this closes, and so aborts, the request)."""
+        async with aclosing(self.batches(uid)) as batches:
+            async for batch in batches:
+                for reply in batch:
+                    yield reply
 
     def abort(self, uid: int) -> None:
         """Tell the scheduler to free the request. Not a coroutine: it is called while the
