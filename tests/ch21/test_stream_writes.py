@@ -25,6 +25,14 @@ def _deliver(m: FrontendManager, *replies: UserReply) -> None:
         inbox.event.set()
 
 
+async def _open(m: FrontendManager, *replies: UserReply):  # type: ignore[no-untyped-def]
+    """A request in flight (uid 0) whose first replies have come: its batches and the first."""
+    m.inboxes[0], m.requests = _Inbox(), 1
+    batches = m.batches(0)
+    _deliver(m, *replies)
+    return batches, await batches.__anext__()
+
+
 def _run(tmp_path: Path, body) -> list[bytes]:  # type: ignore[no-untyped-def]
     async def main() -> list[bytes]:
         m = FrontendManager(f"ipc://{tmp_path}/to", True, f"ipc://{tmp_path}/from")
@@ -38,10 +46,7 @@ def _run(tmp_path: Path, body) -> list[bytes]:  # type: ignore[no-untyped-def]
 def test_replies_that_came_together_go_out_in_one_write(tmp_path: Path) -> None:
     async def body(m: FrontendManager) -> list[bytes]:
         uid = 0
-        m.inboxes[uid], m.requests = _Inbox(), 1
-        batches = m.batches(uid)
-        _deliver(m, UserReply(uid, "a", False))
-        first = await batches.__anext__()
+        batches, first = await _open(m, UserReply(uid, "a", False))
         events = api_server._openai_events(Response(True, "m"), first, batches, False)
         writes = [await events.__anext__()]  # role and "a": one write
         # three replies reach the stream before its reader runs again, the last one finished
@@ -65,10 +70,7 @@ def test_replies_that_came_together_go_out_in_one_write(tmp_path: Path) -> None:
 def test_a_reader_that_keeps_up_writes_each_reply_as_it_comes(tmp_path: Path) -> None:
     async def body(m: FrontendManager) -> list[bytes]:
         uid = 0
-        m.inboxes[uid], m.requests = _Inbox(), 1
-        batches = m.batches(uid)
-        _deliver(m, UserReply(uid, "x", False))
-        first = await batches.__anext__()
+        batches, first = await _open(m, UserReply(uid, "x", False))
         events = api_server._generate_events(first, batches)
         writes = []
         for text in ("y", "z"):
