@@ -810,7 +810,8 @@ def test_check_prints_page_sizes_and_flags_big_pages(repo: Path) -> None:
     write(repo, "docs/appendix-big.md", "# 大\n\n" + "字" * 16_000 + "\n")
     done = steps_cmd(repo, "check", "--no-run")
     assert done.returncode == 0, done.stdout
-    sizes = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[-4:-1]}
+    tail = done.stdout.split("pages (a warning above")[1].splitlines()[1:-1]
+    sizes = {line.split()[0]: line.split()[1:] for line in tail if " KB" in line}
     assert sizes["docs/appendix-big.md"] == ["46.9", "KB", "warning:", "over", "45", "KB"]
     assert sizes["docs/ch00-a.md"][1:] == ["KB"] and sizes["docs/ch01-b.md"][1:] == ["KB"]
     assert done.stdout.endswith("0 failed, 6 skipped, 1 warning\n")
