@@ -18,6 +18,7 @@ from pathlib import Path
 
 from book.build import build, diff_text, record
 from book.check import check
+from book.index import write_index
 from book.manifest import Book, StepsError
 from book.mutate import mutate
 from book.outputs import bench, regenerate
@@ -33,7 +34,7 @@ COMMANDS = {
     "diff": "diff from tree N-1 to tree N",
     "run": "run chapter N's main in isolation",
     "check": "check the eight properties",
-    "pages": "regenerate the tree and output blocks of the pages",
+    "pages": "regenerate the tree and output blocks of the pages, and the package index",
     "mutate": "list chapter N's mutants, or run one against the tests",
     "bench": "run benchmark output ID in full and record its results file",
     "record": "re-derive every delta keeping other trees; record tree N's digest (default newest)",
@@ -64,6 +65,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.choices["bench"].add_argument("id", metavar="ID")
     sub.choices["pages"].add_argument(
         "--force", action="store_true", help="rewrite output blocks even if only numbers changed"
+    )
+    sub.choices["pages"].add_argument(
+        "--index",
+        action="store_true",
+        help="only the package index (docs/appendix-index.md; also made when no N is given)",
     )
     sub.choices["check"].add_argument(
         "--no-run", action="store_true", help="skip what needs running (properties 2, 3, 6, 7)"
@@ -103,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "check":
             return check(book, args.n, not args.no_run, args.timeout)
         elif args.command == "pages":
+            if args.index or not args.n:
+                write_index(book)
+            if args.index and not args.n:
+                return 0
             chapters = [book.get(n) for n in args.n] if args.n else book.chapters
             return 0 if regenerate(book, chapters, args.timeout, args.force) else 1
         elif args.command == "mutate":

@@ -810,7 +810,8 @@ def test_check_prints_page_sizes_and_flags_big_pages(repo: Path) -> None:
     write(repo, "docs/appendix-big.md", "# 大\n\n" + "字" * 16_000 + "\n")
     done = steps_cmd(repo, "check", "--no-run")
     assert done.returncode == 0, done.stdout
-    sizes = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[-4:-1]}
+    tail = done.stdout.split("pages (a warning above")[1].splitlines()[1:-1]
+    sizes = {line.split()[0]: line.split()[1:] for line in tail if " KB" in line}
     assert sizes["docs/appendix-big.md"] == ["46.9", "KB", "warning:", "over", "45", "KB"]
     assert sizes["docs/ch00-a.md"][1:] == ["KB"] and sizes["docs/ch01-b.md"][1:] == ["KB"]
     assert done.stdout.endswith("0 failed, 6 skipped, 1 warning\n")
@@ -963,3 +964,76 @@ def test_early_needs_a_difference_from_the_file_it_moved_to(repo: Path) -> None:
     patch = (repo / "chapters/ch00_a/delta.patch").read_text(encoding="utf-8")
     assert patch.endswith("+++ tree01/minisgl/text.py\n")  # a rename without hunks
     check_fails(repo, "--no-run", expect={(0, 8)}, message="early, but tree 0's copy equals")
+
+
+# ---------------------------------------------------------------------------- the package index
+
+
+def index_rows(root: Path) -> dict[str, tuple[str, str]]:
+    """`name` -> (introduced, changed) cells of docs/appendix-index.md."""
+    rows = {}
+    for line in (root / "docs/appendix-index.md").read_text(encoding="utf-8").splitlines():
+        if m := re.fullmatch(r"\| `([\w.]+)` \| (.*?) \| (.*?) \|", line):
+            rows[m[1]] = (m[2], m[3])
+    return rows
+
+
+def test_index_lists_each_definition_with_its_chapters(repo: Path) -> None:
+    rows = index_rows(repo)
+    assert rows == {
+        "Engine": ("[第 1 章](ch01-b.md)", "—"),
+        "Engine.run": ("[第 1 章](ch01-b.md)", "—"),
+        "shout": ("[第 0 章](ch00-a.md)", "—"),
+    }
+    text = (repo / "docs/appendix-index.md").read_text(encoding="utf-8")
+    assert "## `minisgl/core.py`" in text and "## `minisgl/util.py`" in text
+
+
+def test_index_records_a_change_but_not_a_docstring(repo: Path) -> None:
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "book")
+    edit(repo, "python/minisgl/util.py", "    return", '    """Loud."""\n    return')
+    for args in (["record"], ["pages", "--index"]):
+        done = steps_cmd(repo, *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert index_rows(repo)["shout"] == ("[第 0 章](ch00-a.md)", "—")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "a docstring")
+    edit(repo, "python/minisgl/util.py", "text.upper()", "text.upper() + '!'")
+    for args in (["record"], ["pages", "--index"]):
+        done = steps_cmd(repo, *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert index_rows(repo)["shout"] == ("[第 0 章](ch00-a.md)", "[1](ch01-b.md)")
+
+
+def test_index_skips_private_names_but_keeps_dunders() -> None:
+    from book.index import symbols
+
+    source = (
+        "def _helper(): pass\n"
+        "class A:\n"
+        "    def __init__(self): pass\n"
+        "    def _private(self): pass\n"
+        "    def public(self): pass\n"
+        "class _Hidden:\n"
+        "    def run(self): pass\n"
+    )
+    assert list(symbols(source)) == ["A", "A.__init__", "A.public"]
+    changed = source.replace("def _private(self): pass", "def _private(self): return 1")
+    assert symbols(changed)["A"] != symbols(source)["A"]  # a private method belongs to its class
+    assert symbols(changed)["A.public"] == symbols(source)["A.public"]
+
+
+def test_a_stale_index_fails_the_check_until_regenerated(repo: Path) -> None:
+    edit(repo, "docs/appendix-index.md", "| `shout` |", "| `whisper` |")
+    done = steps_cmd(repo, "check", "--no-run")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert failures(done.stdout) == set(), done.stdout
+    assert "docs/appendix-index.md is stale" in done.stdout
+    assert "run `steps.py pages --index`" in done.stdout
+    done = steps_cmd(repo, "pages", "--index")
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = steps_cmd(repo, "check", "--no-run")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the package index matches the trees" in done.stdout

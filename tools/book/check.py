@@ -8,6 +8,7 @@ from pathlib import Path
 
 from book import pages
 from book.delta import DEV_NULL
+from book.index import INDEX_PAGE, check_index
 from book.manifest import Book, Chapter, StepsError
 from book.mutate import check_mutants
 from book.outputs import Block, Runner, check_blocks, compare_blocks, find_blocks, normalise
@@ -242,6 +243,12 @@ def check(book: Book, numbers: list[int], run: bool, timeout: float) -> int:
                 print(head + (f" ({details[0]})" if details and details[0] else ""))
         print(f"  checked in {time.perf_counter() - began:.0f} s", flush=True)
     lines, warnings, page_failures = page_report(book, blocks)
+    index_problems = check_index(book)
+    page_failures += len(index_problems)
+    for problem in index_problems:
+        lines.append("    FAIL: " + problem.replace("\n", "\n        "))
+    if (book.root / INDEX_PAGE).is_file() and not index_problems:
+        lines.append(f"  {INDEX_PAGE}: the package index matches the trees")
     print(f"pages (a warning above {PAGE_WARNING_KB} KB):", *lines, sep="\n")
     failed = counts["FAIL"] + page_failures
     tail = f", {warnings} warning{'s' * (warnings != 1)}" if warnings else ""
