@@ -14,6 +14,10 @@ if TYPE_CHECKING:  # these arrive in chapters 4 and 5; only their names are need
     from minisgl.kvcache import BaseKVCachePool
     from minisgl.moe import BaseMoeBackend
 
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a request ended: "stop" (EOS or a stop string), "length" (max_tokens or the context is
+full) or "abort" (its client went away)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:

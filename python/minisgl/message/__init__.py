@@ -2,7 +2,7 @@
 
 from .backend import AbortBackendMsg, BackendMsg, BatchBackendMsg, ExitMsg, StatsMsg, UserMsg
 from .codec import MessageError, decode, encode, message
-from .frontend import BatchFrontendMsg, FrontendMsg, StatsReply, UserReply
+from .frontend import BatchFrontendMsg, FinishOrError, FrontendMsg, StatsReply, UserReply
 from .tokenizer import (
     AbortMsg,
     BatchTokenizerMsg,
@@ -14,7 +14,7 @@ from .tokenizer import (
 
 __all__ = [
     "AbortBackendMsg", "AbortMsg", "BackendMsg", "BatchBackendMsg", "BatchFrontendMsg",
-    "BatchTokenizerMsg", "DetokenizeMsg", "DetokenizeSetupMsg", "ExitMsg", "FrontendMsg",
-    "MessageError", "StatsMsg", "StatsReply", "TokenizeMsg", "TokenizerMsg", "UserMsg",
-    "UserReply", "decode", "encode", "message",
+    "BatchTokenizerMsg", "DetokenizeMsg", "DetokenizeSetupMsg", "ExitMsg", "FinishOrError",
+    "FrontendMsg", "MessageError", "StatsMsg", "StatsReply", "TokenizeMsg", "TokenizerMsg",
+    "UserMsg", "UserReply", "decode", "encode", "message",
 ]

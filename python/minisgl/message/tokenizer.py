@@ -9,7 +9,7 @@ from minisgl.core import SamplingParams
 
 from .backend import StatsMsg
 from .codec import message
-from .frontend import StatsReply
+from .frontend import FinishOrError, StatsReply
 
 
 @message
@@ -35,7 +35,7 @@ class DetokenizeMsg:
     uid: int
     next_token: int
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishOrError | None = None
     error: str | None = None
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple, NoReturn
 import torch
 from transformers import AutoTokenizer
 
-from minisgl.core import Batch, Req
+from minisgl.core import Batch, FinishReason, Req
 from minisgl.engine import BatchSamplingArgs, Engine, ForwardOutput
 from minisgl.utils.device import (
     create_event,
@@ -293,7 +293,7 @@ class Scheduler:
         self.send_result(replies)
 
 
-def _finish_reason(req: Req, token: int, eos_token_id: int) -> str | None:
+def _finish_reason(req: Req, token: int, eos_token_id: int) -> FinishReason | None:
     """"stop" at the EOS (unless ignored), "length" at max_tokens or the context's end."""
     if not req.sampling_params.ignore_eos and token == eos_token_id:
         return "stop"

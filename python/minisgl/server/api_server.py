@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from minisgl.core import FinishReason
 from minisgl.message import UserReply
 
 from .frontend import FrontendManager
@@ -213,7 +214,7 @@ def _error_of(reply: UserReply, m: FrontendManager) -> APIError:
     return APIError(400, reply.error or "the request failed")
 
 
-def _openai_reason(reply: UserReply) -> str:
+def _openai_reason(reply: UserReply) -> FinishReason:
     return "length" if reply.finish_reason == "length" else "stop"
 
 

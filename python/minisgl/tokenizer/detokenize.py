@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.message import DetokenizeMsg, UserReply
+from minisgl.message import DetokenizeMsg, FinishOrError, UserReply
 
 INCOMPLETE = "\ufffd"  # what decode() gives for the first bytes of a character still to come
 
@@ -92,7 +92,7 @@ class DetokenizeManager:
         text, s.sent_offset = s.text[s.sent_offset:end], end
         return text, cut
 
-    def _reply(self, uid: int, s: DecodeStatus, text: str, reason: str,
+    def _reply(self, uid: int, s: DecodeStatus, text: str, reason: FinishOrError,
                error: str | None = None) -> UserReply:
         if error is None and not s.stopped:  # the held-back tail of a finished output goes too
             text += s.text[s.sent_offset:]
