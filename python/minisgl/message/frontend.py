@@ -52,7 +52,9 @@ class StatsReply:
 @message
 @dataclass
 class BatchFrontendMsg:
-    data: list[UserReply | StatsReply]
+    data: list[FrontendItem]
 
 
-FrontendMsg = UserReply | StatsReply | BatchFrontendMsg
+FrontendItem = UserReply | StatsReply
+"""One message to the API server; a BatchFrontendMsg carries a list of them."""
+FrontendMsg = FrontendItem | BatchFrontendMsg

@@ -63,10 +63,10 @@ class AbortMsg:
 class BatchTokenizerMsg:
     """Several messages in one frame: one send and one wake-up for a whole step's tokens."""
 
-    data: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg | StatsMsg
-               | StatsReply]
+    data: list[TokenizerItem]
 
 
 # StatsMsg and StatsReply pass through the tokenizer: API server -> scheduler -> API server
-TokenizerMsg = (TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg | StatsMsg
-                | StatsReply | BatchTokenizerMsg)
+TokenizerItem = TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg | StatsMsg | StatsReply
+"""One message to the tokenizer; a BatchTokenizerMsg carries a list of them."""
+TokenizerMsg = TokenizerItem | BatchTokenizerMsg

@@ -10,6 +10,7 @@ import torch
 from minisgl.distributed import broadcast
 from minisgl.message import (
     AbortBackendMsg,
+    BackendItem,
     BackendMsg,
     BatchBackendMsg,
     BatchTokenizerMsg,
@@ -81,7 +82,7 @@ class ServerScheduler(Scheduler):
 
     def receive_reqs(self, blocking: bool) -> list[PendingReq]:
         """Whatever has arrived; waits only when there is nothing to run."""
-        msgs: list[UserMsg | AbortBackendMsg | StatsMsg | ExitMsg] = []
+        msgs: list[BackendItem] = []
         for frame in self._receive_frames(blocking):
             if (msg := self.inbox.accept(frame)) is not None:  # malformed: refused on every rank
                 msgs += msg.data if isinstance(msg, BatchBackendMsg) else [msg]

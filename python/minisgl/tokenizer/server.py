@@ -12,14 +12,17 @@ from transformers import AutoTokenizer
 from minisgl.message import (
     AbortBackendMsg,
     AbortMsg,
+    BackendItem,
     BatchBackendMsg,
     BatchFrontendMsg,
     BatchTokenizerMsg,
     DetokenizeMsg,
     DetokenizeSetupMsg,
+    FrontendItem,
     StatsMsg,
     StatsReply,
     TokenizeMsg,
+    TokenizerItem,
     TokenizerMsg,
     UserMsg,
     UserReply,
@@ -45,13 +48,11 @@ class TokenizerServer:
         self.setups_from_workers = setups_from_workers
         self.early: dict[int, list[DetokenizeMsg]] = defaultdict(list)
 
-    def handle(self, msgs: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg
-                                | StatsMsg | StatsReply]
-               ) -> tuple[list[UserMsg | AbortBackendMsg | StatsMsg],
-                          list[UserReply | StatsReply], list[DetokenizeSetupMsg]]:
+    def handle(self, msgs: list[TokenizerItem]
+               ) -> tuple[list[BackendItem], list[FrontendItem], list[DetokenizeSetupMsg]]:
         """Messages for the scheduler, replies for the API server, setups to forward."""
-        to_scheduler: list[UserMsg | AbortBackendMsg | StatsMsg] = []
-        replies: list[UserReply | StatsReply] = []
+        to_scheduler: list[BackendItem] = []
+        replies: list[FrontendItem] = []
         setups: list[DetokenizeSetupMsg] = []
         for msg in msgs:
             if isinstance(msg, TokenizeMsg):
@@ -127,8 +128,7 @@ def pump(server: TokenizerServer, pull: ZmqPullQueue[TokenizerMsg],
         to_frontend.put(BatchFrontendMsg(replies))
 
 
-def _unbatch(msg: TokenizerMsg | None) -> list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg
-                                               | AbortMsg | StatsMsg | StatsReply]:
+def _unbatch(msg: TokenizerMsg | None) -> list[TokenizerItem]:
     if msg is None:
         return []
     return list(msg.data) if isinstance(msg, BatchTokenizerMsg) else [msg]
