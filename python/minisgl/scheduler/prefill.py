@@ -92,8 +92,9 @@ class PrefillAdder:
         pool[row, cached_len:end] = pending.input_ids[cached_len:end].to(pool.device,
                                                                            non_blocking=True)
         cls = ChunkedReq if size < remain else Req
-        return cls(pending.input_ids[:end], row, cached_len, pending.output_len, pending.uid,
-                   pending.sampling_params, handle)
+        return cls(pending.input_ids[:end], table_idx=row, cached_len=cached_len,
+                   output_len=pending.output_len, uid=pending.uid,
+                   sampling_params=pending.sampling_params, cache_handle=handle)
 
 
 class PrefillManager:

@@ -285,7 +285,8 @@ class Scheduler:
             reason = _finish_reason(req, value, self.eos_token_id)
             if self.aborted.pop(req.uid, None) is not None:  # its token is dropped, and
                 reason, value = "abort", -1  # its row and pages come back
-            replies.append(TokenReply(req.uid, value, reason is not None, reason))
+            replies.append(TokenReply(req.uid, next_token=value, finished=reason is not None,
+                                      finish_reason=reason))
             if reason is not None:
                 newly_finished.add(req)
                 self._release(req)

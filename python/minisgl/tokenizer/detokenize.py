@@ -44,7 +44,7 @@ class DetokenizeManager:
         if msg.finished:
             del self.status[msg.uid]
         if msg.error is not None:
-            return self._reply(msg.uid, s, "", "error", msg.error), False
+            return self._reply(msg.uid, s, "", "error", error=msg.error), False
         if s.stopped:
             return None, False
         if msg.next_token >= 0:
@@ -57,7 +57,8 @@ class DetokenizeManager:
                 self.status[msg.uid] = s  # kept until the scheduler's last message
             return self._reply(msg.uid, s, text, "stop"), not msg.finished
         if not msg.finished:
-            return (UserReply(msg.uid, text, False) if text else None), False
+            return (UserReply(msg.uid, incremental_output=text, finished=False) if text
+                    else None), False
         return self._reply(msg.uid, s, text, msg.finish_reason or "stop"), False
 
     def _decode(self, s: DecodeStatus, final: bool) -> None:
@@ -97,4 +98,5 @@ class DetokenizeManager:
         if error is None and not s.stopped:  # the held-back tail of a finished output goes too
             text += s.text[s.sent_offset:]
             s.sent_offset = len(s.text)
-        return UserReply(uid, text, True, reason, s.prompt_tokens, len(s.ids), error)
+        return UserReply(uid, incremental_output=text, finished=True, finish_reason=reason,
+                         prompt_tokens=s.prompt_tokens, completion_tokens=len(s.ids), error=error)

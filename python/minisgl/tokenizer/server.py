@@ -61,7 +61,8 @@ class TokenizerServer:
                 except Exception as e:  # a bad prompt or a chat the template rejects: answered
                     # here, the scheduler never sees it, and the process goes on serving
                     error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-                    replies.append(UserReply(msg.uid, "", True, "error", error=error))
+                    replies.append(UserReply(msg.uid, incremental_output="", finished=True,
+                                             finish_reason="error", error=error))
                     continue
                 setups.append(DetokenizeSetupMsg(msg.uid, len(ids), msg.stop))
                 to_scheduler.append(UserMsg(msg.uid, ids, msg.sampling_params, msg.cache_salt))
@@ -108,7 +109,7 @@ def tokenizer_worker(model_path: str, inbox: str, bind_inbox: bool, backend: str
         if ready is not None:
             ready.send("tokenizer")
         while True:
-            pump(server, pull, to_backend, to_frontend, to_detok)
+            pump(server, pull, to_backend=to_backend, to_frontend=to_frontend, to_detok=to_detok)
 
 
 def pump(server: TokenizerServer, pull: ZmqPullQueue[TokenizerMsg],
