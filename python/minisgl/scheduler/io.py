@@ -7,6 +7,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from minisgl.core import prompt_error
 from minisgl.distributed import broadcast
 from minisgl.message import (
     AbortBackendMsg,
@@ -138,11 +139,8 @@ class ServerScheduler(Scheduler):
         """Why a request can never run here, or None. Answered at once: a request is never
         dropped in silence, and nothing in the loop raises because of one."""
         n = len(msg.input_ids)
-        if n == 0:
-            return "the prompt is empty"
-        if n >= self.max_seq_len:
-            return (f"the prompt has {n} tokens; this server's context is {self.max_seq_len}, "
-                    f"so a prompt may have at most {self.max_seq_len - 1}")
+        if (error := prompt_error(n, self.max_seq_len)) is not None:
+            return error
         if int(msg.input_ids.min()) < 0 or int(msg.input_ids.max()) >= self.vocab_size:
             return f"token ids must be in [0, {self.vocab_size})"
         asked = msg.sampling_params.max_tokens  # max_seq_len itself: "as many as fit"
