@@ -14,6 +14,10 @@ if TYPE_CHECKING:  # layers above this one; only their names are needed here
     from minisgl.kvcache import BaseCacheHandle, BaseKVCachePool
     from minisgl.moe import BaseMoeBackend
 
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a request ended: "stop" (EOS or a stop string), "length" (max_tokens or the context is
+full) or "abort" (its client went away)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -45,6 +49,19 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return (self.temperature <= 0.0 or self.top_k == 1) and self.top_p == 1.0
+
+
+def prompt_error(num_tokens: int, max_seq_len: int, name: str = "the prompt") -> str | None:
+    """Why a prompt of num_tokens tokens can never run within max_seq_len, or None: it must
+    have a last position to sample from, and leave room for one output token. The one rule
+    (and message) of both LLM.generate, which raises it, and the server, which answers it as
+    a 400; `name` says which prompt."""
+    if num_tokens == 0:
+        return f"{name} is empty"
+    if num_tokens >= max_seq_len:
+        return (f"{name} has {num_tokens} tokens; max_seq_len is {max_seq_len}, so a prompt may "
+                f"have at most {max_seq_len - 1} (one output token)")
+    return None
 
 
 class Req:

@@ -87,8 +87,9 @@ class FlashInferBackend(BaseAttnBackend):
                    - (torch.cumsum(kv_lens, 0) - kv_lens)[owner])
             kv_indices = ctx.page_table[rows[owner], col]
         ones = torch.ones(len(reqs), dtype=torch.int32, pin_memory=self.pin)
-        batch.attn_metadata = FIMetadata(qo_indptr, kv_indptr, kv_indices, ones,
-                                         self.decode if batch.is_decode else self.prefill)
+        batch.attn_metadata = FIMetadata(
+            qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, last_page_len=ones,
+            wrapper=self.decode if batch.is_decode else self.prefill)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:

@@ -25,7 +25,7 @@ class HybridBackend(BaseAttnBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: Batch) -> torch.Tensor:
-        return self._for(batch).forward(q, k, v, layer_id, batch)
+        return self._for(batch).forward(q, k, v, layer_id=layer_id, batch=batch)
 
     @property
     def supports_graphs(self) -> bool:

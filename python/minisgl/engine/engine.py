@@ -90,13 +90,15 @@ class Engine:
         with torch.device("meta"), _default_dtype(self.dtype):
             self.model = create_model(model_config)
         self.model.load_state_dict(load_weight(
-            config.model_path, self.device, self.dtype, model_config.tie_word_embeddings,
-            lambda name: shard_of(name, config.model_config, tp)))  # only this rank's slice
+            config.model_path, self.device, self.dtype,
+            tie_word_embeddings=model_config.tie_word_embeddings,
+            shards=lambda name: shard_of(name, config.model_config, tp)))  # only this rank's slice
 
         self.num_pages = self._determine_num_pages(free_before)
         num_tokens = self.num_pages * config.page_size
         self.ctx.kv_cache = self.kv_cache = create_kvcache_pool(
-            model_config, self.num_pages + 1, config.page_size, self.device, self.dtype)
+            model_config, num_pages=self.num_pages + 1, page_size=config.page_size,
+            device=self.device, dtype=self.dtype)
         self.max_seq_len = min(config.max_seq_len, num_tokens)
         # one row per running request + one for the dummy request; entries are token slots
         self.ctx.page_table = self.page_table = torch.zeros(
@@ -110,8 +112,9 @@ class Engine:
                              cached_len=0, output_len=1, uid=-1, sampling_params=SamplingParams())
         self.page_table[self.dummy_req.table_idx].fill_(num_tokens)
         self.graph_runner = GraphRunner(
-            self.model, self.ctx, self.stream, self._graph_sizes(), config.model_config.vocab_size,
-            self.dtype, self.dummy_req, dummy_slot=num_tokens)
+            self.model, self.ctx, self.stream, sizes=self._graph_sizes(),
+            vocab_size=config.model_config.vocab_size, dtype=self.dtype,
+            dummy_req=self.dummy_req, dummy_slot=num_tokens)
 
     def _graph_sizes(self) -> list[int]:
         """Decode batch sizes to capture. Default: up to 256 on a GPU; none on the

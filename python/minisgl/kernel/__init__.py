@@ -87,19 +87,20 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, start: int | None = None)
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
          cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Our rotary kernel, for when ours(q): it looks each token's row of the table up itself."""
-    return cuda.rope(positions, q, k, cos_sin_cache, cos_sin_cache.shape[-1])
+    return cuda.rope(positions, q, k, table=cos_sin_cache, head_dim=cos_sin_cache.shape[-1])
 
 
 def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Our kernel for Qwen3's q/k norms and the rotation in one launch, for when ours(q)."""
-    return cuda.qk_norm_rope(positions, q, k, q_weight, k_weight, eps, cos_sin_cache)
+    return cuda.qk_norm_rope(positions, q, k, q_weight=q_weight, k_weight=k_weight, eps=eps,
+                             table=cos_sin_cache)
 
 
 def store_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, indices: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor) -> None:
-    (cuda if ours(k) else reference).store_cache(k_cache, v_cache, indices, k, v)
+    (cuda if ours(k) else reference).store_cache(k_cache, v_cache, indices=indices, k=k, v=v)
 
 
 __all__ = [

@@ -67,9 +67,11 @@ def expert_gemm(a: torch.Tensor, b: torch.Tensor, align: Alignment, num_pairs: i
     c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     grid = (align.sorted_ids.shape[0] // bm, triton.cdiv(n, bn))
     _expert_gemm_kernel[grid](
-        a, b, c, weights if weights is not None else c, align.sorted_ids, align.block_expert,
-        align.num_padded, n, a.shape[1], num_pairs, a.stride(0), b.stride(0), b.stride(1),
-        c.stride(0), A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None,
+        a_ptr=a, b_ptr=b, c_ptr=c, weight_ptr=weights if weights is not None else c,
+        sorted_ids_ptr=align.sorted_ids, block_expert_ptr=align.block_expert,
+        num_padded_ptr=align.num_padded, N=n, K=a.shape[1], num_pairs=num_pairs,
+        stride_am=a.stride(0), stride_be=b.stride(0), stride_bn=b.stride(1),
+        stride_cm=c.stride(0), A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None,
         # float32 in, float32 exactly (a GPU would otherwise round the inputs to tf32)
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter gets tl.dot of bfloat16 tiles wrong (values near 1e10 for

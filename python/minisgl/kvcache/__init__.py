@@ -31,8 +31,9 @@ def _create_naive(page_size: int, device: torch.device) -> BasePrefixCache:
 
 def create_kvcache_pool(model_config: ModelConfig, num_pages: int, page_size: int,
                         device: torch.device, dtype: torch.dtype) -> BaseKVCachePool:
-    return MHAKVCache(model_config.num_kv_heads, model_config.num_layers, model_config.head_dim,
-                      num_pages, page_size, dtype, device)
+    return MHAKVCache(num_kv_heads=model_config.num_kv_heads, num_layers=model_config.num_layers,
+                      head_dim=model_config.head_dim, num_pages=num_pages, page_size=page_size,
+                      dtype=dtype, device=device)
 
 
 def create_prefix_cache(cache_type: str, page_size: int, device: torch.device) -> BasePrefixCache:

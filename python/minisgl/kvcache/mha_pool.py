@@ -27,7 +27,7 @@ class MHAKVCache(BaseKVCachePool):
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
                  layer_id: int) -> None:
-        store_cache(self.k_cache(layer_id), self.v_cache(layer_id), out_loc, k, v)
+        store_cache(self.k_cache(layer_id), self.v_cache(layer_id), indices=out_loc, k=k, v=v)
 
     @property
     def device(self) -> torch.device:

@@ -31,9 +31,11 @@ class AttentionLayer(StateLessOP):
         hq, hkv, d = self.num_qo_heads, self.num_kv_heads, self.head_dim
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         if self._q_norm is not None and self._k_norm is not None:  # Qwen3: per-head RMSNorm
-            q, k = self._rotary.norm_and_rotate(batch.positions, q, k, self._q_norm, self._k_norm)
+            q, k = self._rotary.norm_and_rotate(batch.positions, q, k, q_norm=self._q_norm,
+                                                k_norm=self._k_norm)
         else:
             q, k = self._rotary.forward(batch.positions, q, k)
         q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.reshape(-1, hkv, d)
         ctx.kv_cache.store_kv(k, v, batch.out_loc, self.layer_id)
-        return ctx.attn_backend.forward(q, k, v, self.layer_id, batch).view(-1, hq * d)
+        return ctx.attn_backend.forward(q, k, v, layer_id=self.layer_id,
+                                        batch=batch).view(-1, hq * d)

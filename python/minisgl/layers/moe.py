@@ -23,6 +23,7 @@ class MoELayer(BaseOP):
         self.top_k, self.renormalize = top_k, renormalize
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        out = get_global_ctx().moe_backend.forward(x, self.gate_up_proj, self.down_proj,
-                                                   router_logits, self.top_k, self.renormalize)
+        out = get_global_ctx().moe_backend.forward(
+            x, self.gate_up_proj, self.down_proj, router_logits=router_logits, top_k=self.top_k,
+            renormalize=self.renormalize)
         return all_reduce(out) if get_tp_info().size > 1 else out

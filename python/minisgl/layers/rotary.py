@@ -49,8 +49,8 @@ class RotaryEmbedding(StateLessOP):
         d = self._cos_sin_cache.shape[-1]
         if ours(q) and q.dim() == 2 and q_norm.eps == k_norm.eps:
             self._table_on(positions.device)
-            return qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps,
-                                self._cos_sin_cache)
+            return qk_norm_rope(positions, q, k, q_weight=q_norm.weight, k_weight=k_norm.weight,
+                                eps=q_norm.eps, cos_sin_cache=self._cos_sin_cache)
         q = q_norm.forward(q.reshape(len(q), -1, d))
         k = k_norm.forward(k.reshape(len(k), -1, d))
         return self.forward(positions, q, k)

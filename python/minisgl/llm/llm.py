@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, prompt_error
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.utils import PendingReq, TokenReply
 
@@ -29,7 +29,7 @@ def check_requests(prompts: list[str] | list[list[int]],
                    vocab_size: int) -> list[SamplingParams]:
     """Refuse bad input before any work starts: each prompt is a str or a list of token ids in
     [0, vocab_size), with one SamplingParams for all or one per prompt (returned one per
-    prompt)."""
+    prompt). The API server's requests arrive as JSON: its request models check these."""
     if isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params] * len(prompts)
     if len(sampling_params) != len(prompts):
@@ -75,13 +75,9 @@ class LLM(Scheduler):
         the output `text` and `token_ids` (the EOS token that ended it is left out)."""
         sampling_params = check_requests(prompts, sampling_params, self.vocab_size)
         ids = [self._tokenize(p) for p in prompts]
-        limit = self.max_seq_len
         for i, x in enumerate(ids):  # refuse before any work starts
-            if len(x) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(x) >= limit:
-                raise ValueError(f"prompt {i} has {len(x)} tokens; max_seq_len is {limit}, so a "
-                                 f"prompt may have at most {limit - 1} (one output token)")
+            if (error := prompt_error(len(x), self.max_seq_len, f"prompt {i}")) is not None:
+                raise ValueError(error)
         self.queue = [PendingReq(uid, x, sp)
                       for uid, (x, sp) in enumerate(zip(ids, sampling_params))]
         self.status = {uid: RequestStatus(x.tolist(), sp.ignore_eos)

@@ -50,7 +50,9 @@ class ExitMsg:
 @message
 @dataclass
 class BatchBackendMsg:
-    data: list[UserMsg | AbortBackendMsg | StatsMsg | ExitMsg]
+    data: list[BackendItem]
 
 
-BackendMsg = UserMsg | AbortBackendMsg | StatsMsg | ExitMsg | BatchBackendMsg
+BackendItem = UserMsg | AbortBackendMsg | StatsMsg | ExitMsg
+"""One message to the scheduler; a BatchBackendMsg carries a list of them."""
+BackendMsg = BackendItem | BatchBackendMsg

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from minisgl.core import FinishReason
 
 from .codec import message
+
+FinishOrError = FinishReason | Literal["error"]
+"""How a request's last reply ends: a FinishReason, or "error" when it could not run."""
 
 
 @message
@@ -17,7 +23,7 @@ class UserReply:
     uid: int
     incremental_output: str
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishOrError | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
@@ -46,7 +52,9 @@ class StatsReply:
 @message
 @dataclass
 class BatchFrontendMsg:
-    data: list[UserReply | StatsReply]
+    data: list[FrontendItem]
 
 
-FrontendMsg = UserReply | StatsReply | BatchFrontendMsg
+FrontendItem = UserReply | StatsReply
+"""One message to the API server; a BatchFrontendMsg carries a list of them."""
+FrontendMsg = FrontendItem | BatchFrontendMsg

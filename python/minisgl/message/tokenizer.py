@@ -9,7 +9,7 @@ from minisgl.core import SamplingParams
 
 from .backend import StatsMsg
 from .codec import message
-from .frontend import StatsReply
+from .frontend import FinishOrError, StatsReply
 
 
 @message
@@ -35,7 +35,7 @@ class DetokenizeMsg:
     uid: int
     next_token: int
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishOrError | None = None
     error: str | None = None
 
 
@@ -63,10 +63,10 @@ class AbortMsg:
 class BatchTokenizerMsg:
     """Several messages in one frame: one send and one wake-up for a whole step's tokens."""
 
-    data: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg | StatsMsg
-               | StatsReply]
+    data: list[TokenizerItem]
 
 
 # StatsMsg and StatsReply pass through the tokenizer: API server -> scheduler -> API server
-TokenizerMsg = (TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg | StatsMsg
-                | StatsReply | BatchTokenizerMsg)
+TokenizerItem = TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg | StatsMsg | StatsReply
+"""One message to the tokenizer; a BatchTokenizerMsg carries a list of them."""
+TokenizerMsg = TokenizerItem | BatchTokenizerMsg

@@ -65,7 +65,7 @@ class _Queue:
 class _Receiver(_Queue, Generic[T]):
     def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool,
                  expected: type[T], options: dict[int, int] | None = None) -> None:
-        super().__init__(ctx, kind, addr, bind, options)
+        super().__init__(ctx, kind, addr, bind=bind, options=options)
         self.expected, self.refused = expected, 0
 
     def wait(self, timeout_ms: int | None) -> bool:
@@ -107,7 +107,7 @@ class ZmqPushQueue(_Queue, Generic[T]):
 
 class ZmqPullQueue(_Receiver[T]):
     def __init__(self, addr: str, bind: bool, expected: type[T]) -> None:
-        super().__init__(zmq.Context.instance(), zmq.PULL, addr, bind, expected)
+        super().__init__(zmq.Context.instance(), zmq.PULL, addr, bind=bind, expected=expected)
 
     def get(self, timeout_ms: int | None = None) -> T | None:
         """The next well-formed message; None if none came within timeout_ms (None: wait)."""
@@ -128,8 +128,8 @@ class ZmqPubQueue(_Queue, Generic[T]):
 
     def __init__(self, addr: str, bind: bool) -> None:
         # XPUB_VERBOSE: report every subscription, not only the first to a topic
-        super().__init__(zmq.Context.instance(), zmq.XPUB, addr, bind,
-                         {zmq.SNDHWM: 0, zmq.XPUB_VERBOSE: 1})
+        super().__init__(zmq.Context.instance(), zmq.XPUB, addr, bind=bind,
+                         options={zmq.SNDHWM: 0, zmq.XPUB_VERBOSE: 1})
 
     def wait_subscribers(self, n: int, timeout_s: float = 60.0) -> None:
         """Block until n subscribers have subscribed: a frame published earlier is lost to
@@ -150,8 +150,8 @@ class ZmqPubQueue(_Queue, Generic[T]):
 
 class ZmqSubQueue(_Receiver[T]):
     def __init__(self, addr: str, bind: bool, expected: type[T]) -> None:
-        super().__init__(zmq.Context.instance(), zmq.SUB, addr, bind, expected,
-                         {zmq.RCVHWM: 0})  # see ZmqPubQueue
+        super().__init__(zmq.Context.instance(), zmq.SUB, addr, bind=bind, expected=expected,
+                         options={zmq.RCVHWM: 0})  # see ZmqPubQueue
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")  # every message
 
     def get(self) -> T:
@@ -173,7 +173,8 @@ class ZmqAsyncPushQueue(_Queue, Generic[T]):
 
 class ZmqAsyncPullQueue(_Receiver[T]):
     def __init__(self, addr: str, bind: bool, expected: type[T]) -> None:
-        super().__init__(zmq.asyncio.Context.instance(), zmq.PULL, addr, bind, expected)
+        super().__init__(zmq.asyncio.Context.instance(), zmq.PULL, addr, bind=bind,
+                         expected=expected)
 
     async def get(self) -> T:
         while (msg := self.accept(await self.socket.recv())) is None:

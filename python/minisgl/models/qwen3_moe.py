@@ -17,9 +17,10 @@ class SparseMoeBlock(BaseOP):
 
     def __init__(self, config: ModelConfig) -> None:
         self.gate = LinearReplicated(config.hidden_size, config.num_experts, has_bias=False)
-        self.experts = MoELayer(config.num_experts, config.num_experts_per_tok,
-                                config.hidden_size, config.moe_intermediate_size,
-                                config.norm_topk_prob)
+        self.experts = MoELayer(num_experts=config.num_experts,
+                                top_k=config.num_experts_per_tok, hidden_size=config.hidden_size,
+                                intermediate_size=config.moe_intermediate_size,
+                                renormalize=config.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts.forward(x, self.gate.forward(x))

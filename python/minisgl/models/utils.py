@@ -50,8 +50,9 @@ class RopeAttn(BaseOP):
                                         c.num_kv_heads, has_bias=qkv_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if qk_norm else None
-        self.attn = AttentionLayer(layer_id, c.num_qo_heads, c.num_kv_heads, c.head_dim,
-                                   rotary, self.q_norm, self.k_norm)
+        self.attn = AttentionLayer(layer_id, num_qo_heads=c.num_qo_heads,
+                                   num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                   rotary=rotary, q_norm=self.q_norm, k_norm=self.k_norm)
         self.o_proj = LinearOProj(c.num_qo_heads * c.head_dim, c.hidden_size,
                                   has_bias=c.attention_bias)
 
@@ -64,7 +65,8 @@ class DecoderLayer(BaseOP):
                  qk_norm: bool, qkv_bias: bool, mlp: BaseOP) -> None:
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNormFused(config.hidden_size, eps)
-        self.self_attn = RopeAttn(config, layer_id, rotary, qk_norm, qkv_bias)
+        self.self_attn = RopeAttn(config, layer_id, rotary=rotary, qk_norm=qk_norm,
+                                  qkv_bias=qkv_bias)
         self.post_attention_layernorm = RMSNormFused(config.hidden_size, eps)
         self.mlp = mlp
 
@@ -81,8 +83,8 @@ class DecoderModel(BaseOP):
                  make_mlp: Callable[[ModelConfig, int], BaseOP]) -> None:
         rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = OPList([DecoderLayer(config, i, rotary, qk_norm, qkv_bias,
-                                           make_mlp(config, i))
+        self.layers = OPList([DecoderLayer(config, i, rotary=rotary, qk_norm=qk_norm,
+                                           qkv_bias=qkv_bias, mlp=make_mlp(config, i))
                               for i in range(config.num_layers)])
         self.norm = RMSNormFused(config.hidden_size, config.rms_norm_eps)
 

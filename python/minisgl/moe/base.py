@@ -34,4 +34,4 @@ class BaseMoeBackend(ABC):
     def forward(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
         weights, ids = select_experts(router_logits, top_k, renormalize)
-        return self.experts(x, gate_up, down, weights, ids)
+        return self.experts(x, gate_up, down, weights=weights, ids=ids)

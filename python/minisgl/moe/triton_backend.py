@@ -78,9 +78,11 @@ class TritonMoeBackend(BaseMoeBackend):
         align = align_block_size(ids, bm, num_experts)
         run = self._kernels.expert_gemm
         # gate_up: each pair reads its token's row of x; one output row per pair
-        h = run(x, gate_up, align, num_pairs, top_k, None, (bm, bn, bk))
+        h = run(x, gate_up, align, num_pairs=num_pairs, a_row_div=top_k, weights=None,
+                blocks=(bm, bn, bk))
         h = silu_and_mul(h)
         # down: row p of h is pair p's; the routing weight is applied before the sum
-        y = run(h, down, align, num_pairs, 1, weights.flatten().float(), (bm, bn, bk))
+        y = run(h, down, align, num_pairs=num_pairs, a_row_div=1,
+                weights=weights.flatten().float(), blocks=(bm, bn, bk))
         return y.view(num_tokens, top_k, -1).sum(dim=1)
 

@@ -7,9 +7,11 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from minisgl.core import prompt_error
 from minisgl.distributed import broadcast
 from minisgl.message import (
     AbortBackendMsg,
+    BackendItem,
     BackendMsg,
     BatchBackendMsg,
     BatchTokenizerMsg,
@@ -81,7 +83,7 @@ class ServerScheduler(Scheduler):
 
     def receive_reqs(self, blocking: bool) -> list[PendingReq]:
         """Whatever has arrived; waits only when there is nothing to run."""
-        msgs: list[UserMsg | AbortBackendMsg | StatsMsg | ExitMsg] = []
+        msgs: list[BackendItem] = []
         for frame in self._receive_frames(blocking):
             if (msg := self.inbox.accept(frame)) is not None:  # malformed: refused on every rank
                 msgs += msg.data if isinstance(msg, BatchBackendMsg) else [msg]
@@ -96,17 +98,17 @@ class ServerScheduler(Scheduler):
                 elif isinstance(m, StatsMsg):  # blocking: nothing to run and nothing in flight
                     answers.append(self._stats(m.uid, idle=blocking))
                 elif self.aborted.pop(m.uid, None) is not None:  # its abort overtook it
-                    self.send_result([TokenReply(m.uid, -1, True, "abort")])
+                    self.send_result([TokenReply(m.uid, next_token=-1, finished=True,
+                                                 finish_reason="abort")])
                 elif (error := self._check(m)) is not None:
-                    answers.append(DetokenizeMsg(m.uid, -1, True, "error", error))
+                    answers.append(_refusal(m.uid, error))
                 else:
                     reqs.append(PendingReq(m.uid, m.input_ids, m.sampling_params,
                                            cache_salt=m.cache_salt))
             except Exception as e:  # a bug that one message hit: it fails, the server goes on
                 logger.exception("scheduler: message %s failed", type(m).__name__)
                 if isinstance(m, UserMsg):
-                    answers.append(DetokenizeMsg(m.uid, -1, True, "error",
-                                                 f"internal error: {type(e).__name__}"))
+                    answers.append(_refusal(m.uid, f"internal error: {type(e).__name__}"))
         if answers and self.outbox is not None:
             self.outbox.put(BatchTokenizerMsg(answers))
         return reqs
@@ -125,20 +127,20 @@ class ServerScheduler(Scheduler):
             except RuntimeError as e:
                 integrity = str(e)
         cache = self.cache_manager
-        return StatsReply(uid, idle, self.aborted_reqs, len(self.prefill_manager.pending),
-                          len(self.decode_manager.running), self.table_manager.available_size,
-                          self.config.max_running_req, len(cache.free_slots), cache.num_pages,
-                          integrity, self.stats.cached_tokens)
+        return StatsReply(uid=uid, idle=idle, aborted=self.aborted_reqs,
+                          waiting=len(self.prefill_manager.pending),
+                          running=len(self.decode_manager.running),
+                          free_rows=self.table_manager.available_size,
+                          total_rows=self.config.max_running_req,
+                          free_pages=len(cache.free_slots), total_pages=cache.num_pages,
+                          integrity=integrity, cached_tokens=self.stats.cached_tokens)
 
     def _check(self, msg: UserMsg) -> str | None:
         """Why a request can never run here, or None. Answered at once: a request is never
         dropped in silence, and nothing in the loop raises because of one."""
         n = len(msg.input_ids)
-        if n == 0:
-            return "the prompt is empty"
-        if n >= self.max_seq_len:
-            return (f"the prompt has {n} tokens; this server's context is {self.max_seq_len}, "
-                    f"so a prompt may have at most {self.max_seq_len - 1}")
+        if (error := prompt_error(n, self.max_seq_len)) is not None:
+            return error
         if int(msg.input_ids.min()) < 0 or int(msg.input_ids.max()) >= self.vocab_size:
             return f"token ids must be in [0, {self.vocab_size})"
         asked = msg.sampling_params.max_tokens  # max_seq_len itself: "as many as fit"
@@ -151,13 +153,21 @@ class ServerScheduler(Scheduler):
     def send_result(self, replies: list[TokenReply]) -> None:
         self.aborted_reqs += sum(r.finish_reason == "abort" for r in replies)
         if replies and self.outbox is not None:  # only rank 0 replies
-            self.outbox.put(BatchTokenizerMsg([DetokenizeMsg(*r) for r in replies]))
+            self.outbox.put(BatchTokenizerMsg([
+                DetokenizeMsg(uid=r.uid, next_token=r.next_token, finished=r.finished,
+                              finish_reason=r.finish_reason) for r in replies]))
 
     def shutdown(self) -> None:
         super().shutdown()
         for queue in (self.inbox, self.outbox, self.fanout):
             if queue is not None:
                 queue.close()
+
+
+def _refusal(uid: int, error: str) -> DetokenizeMsg:
+    """The only message a request that cannot run gets: finished, with no token."""
+    return DetokenizeMsg(uid=uid, next_token=-1, finished=True, finish_reason="error",
+                         error=error)
 
 
 def scheduler_worker(config: SchedulerConfig, inbox: str, outbox: str,

@@ -14,7 +14,7 @@ from typing import NamedTuple, NoReturn
 import torch
 from transformers import AutoTokenizer
 
-from minisgl.core import Batch, Req
+from minisgl.core import Batch, FinishReason, Req
 from minisgl.engine import BatchSamplingArgs, Engine, ForwardOutput
 from minisgl.utils.device import (
     create_event,
@@ -285,7 +285,8 @@ class Scheduler:
             reason = _finish_reason(req, value, self.eos_token_id)
             if self.aborted.pop(req.uid, None) is not None:  # its token is dropped, and
                 reason, value = "abort", -1  # its row and pages come back
-            replies.append(TokenReply(req.uid, value, reason is not None, reason))
+            replies.append(TokenReply(req.uid, next_token=value, finished=reason is not None,
+                                      finish_reason=reason))
             if reason is not None:
                 newly_finished.add(req)
                 self._release(req)
@@ -293,7 +294,7 @@ class Scheduler:
         self.send_result(replies)
 
 
-def _finish_reason(req: Req, token: int, eos_token_id: int) -> str | None:
+def _finish_reason(req: Req, token: int, eos_token_id: int) -> FinishReason | None:
     """"stop" at the EOS (unless ignored), "length" at max_tokens or the context's end."""
     if not req.sampling_params.ignore_eos and token == eos_token_id:
         return "stop"

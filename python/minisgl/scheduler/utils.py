@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from minisgl.core import SamplingParams
+from minisgl.core import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from .prefill import ChunkedReq
@@ -39,7 +39,7 @@ class TokenReply(NamedTuple):
     uid: int
     next_token: int  # -1 when there is none (an aborted request)
     finished: bool
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: FinishReason | None = None
 
 
 @dataclass

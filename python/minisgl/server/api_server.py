@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from minisgl.core import SamplingParams
+from minisgl.core import FinishReason, SamplingParams
 from minisgl.message import UserReply
 
 from .frontend import FrontendManager
@@ -116,22 +116,25 @@ def create_app(model_name: str, max_seq_len: int,
         body.refuse_unsupported()
         params, stop = body.sampling(body.max_completion_tokens or body.max_tokens, max_seq_len)
         prompt = [m.as_template_input() for m in body.messages]
-        return await _answer(request, manager(), Shape(True, model_name), prompt, params, stop,
-                             bool(body.stream), body.include_usage, body.cache_salt)
+        return await _answer(request, manager(), Shape(True, model_name), prompt, params=params,
+                             stop=stop, stream=bool(body.stream),
+                             include_usage=body.include_usage, cache_salt=body.cache_salt)
 
     @app.post("/v1/completions", responses={200: _STREAM, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         body.refuse_unsupported()
         params, stop = body.sampling(body.max_tokens, max_seq_len)
         return await _answer(request, manager(), Shape(False, model_name), body.single_prompt(),
-                             params, stop, bool(body.stream), body.include_usage, body.cache_salt)
+                             params=params, stop=stop, stream=bool(body.stream),
+                             include_usage=body.include_usage, cache_salt=body.cache_salt)
 
     @app.post("/generate", responses={200: _STREAM, **_ERRORS})
     async def generate(body: GenerateRequest, request: Request) -> Response:
         body.refuse_unsupported()
         params, stop = body.sampling(body.max_tokens, max_seq_len, temperature=0.0)
-        return await _answer(request, manager(), None, body.single_prompt(), params, stop,
-                             bool(body.stream), True, body.cache_salt)
+        return await _answer(request, manager(), None, body.single_prompt(), params=params,
+                             stop=stop, stream=bool(body.stream), include_usage=True,
+                             cache_salt=body.cache_salt)
 
     schema = app.openapi
 
@@ -215,7 +218,7 @@ def _error_of(reply: UserReply, m: FrontendManager) -> APIError:
     return APIError(400, reply.error or "the request failed")
 
 
-def _openai_reason(reply: UserReply) -> str:
+def _openai_reason(reply: UserReply) -> FinishReason:
     return "length" if reply.finish_reason == "length" else "stop"
 
 

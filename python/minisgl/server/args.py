@@ -98,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         bounds = limits.from_flags(a, a.max_running_requests)
     except ValueError as e:
         p.error(str(e))
-    return ServerArgs(config, a.host, a.port, a.num_tokenizer, a.shell, bounds)
+    return ServerArgs(config, host=a.host, port=a.port, num_tokenizer=a.num_tokenizer,
+                      shell=a.shell, limits=bounds)
 
 
 def _tp_error(tp: int, model_path: str) -> str | None:

@@ -80,7 +80,8 @@ class FrontendManager:
         uid = next(self.uids)
         self.inboxes[uid] = _Inbox()  # before sending: its first reply may come at any await
         try:  # encoded before the first await: nothing is sent if this fails
-            await self.to_tokenizer.put(TokenizeMsg(uid, prompt, params, stop, cache_salt))
+            await self.to_tokenizer.put(TokenizeMsg(uid, prompt=prompt, sampling_params=params,
+                                                    stop=stop, cache_salt=cache_salt))
         except (TypeError, ValueError, OverflowError) as e:  # a value msgpack cannot carry
             del self.inboxes[uid]
             raise APIError(400, f"the request cannot be sent to the tokenizer: {e}") from None
@@ -151,7 +152,8 @@ class FrontendManager:
         """Every request in flight ends now with an error: a stream gets an error event and
         [DONE], a whole answer a 503 (a failure, or the end of a drain on shutdown)."""
         for uid, inbox in self.inboxes.items():
-            inbox.replies.append(UserReply(uid, "", True, "error", error=error))
+            inbox.replies.append(UserReply(uid, incremental_output="", finished=True,
+                                           finish_reason="error", error=error))
             inbox.event.set()
 
     def close(self) -> None:

@@ -5,135 +5,24 @@ children log at INFO."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import multiprocessing as mp
-import os
-import signal
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import uvicorn
 
-from minisgl.distributed import DistributedInfo
 from minisgl.message.transport import IpcNamespace
-from minisgl.scheduler.io import scheduler_worker
-from minisgl.tokenizer import tokenizer_worker
 from minisgl.utils.signals import exit_on_sigterm
 
 from .api_server import create_app
 from .args import ServerArgs, parse_args
 from .frontend import FrontendManager
 from .limits import guarded_protocol
+from .processes import LOG_FORMAT, Addresses, Child, start_children, stop_children, watch
+from .shell import run_shell
 
 logger = logging.getLogger("minisgl")
-LOG_FORMAT = "%(asctime)s %(processName)s %(name)s: %(message)s"
-
-
-@dataclass
-class Child:
-    name: str
-    process: BaseProcess
-    ready: Connection  # the child sends its name here once it serves
-
-
-class Addresses:
-    """The ipc:// sockets of one server, in its private folder, and where its
-    tensor-parallel ranks meet: a file there, so no port can be taken already."""
-
-    def __init__(self, ns: IpcNamespace) -> None:
-        self.scheduler, self.detokenizer = ns.addr("scheduler"), ns.addr("detokenizer")
-        self.tokenizer, self.frontend = ns.addr("tokenizer"), ns.addr("frontend")
-        self.fanout, self.rendezvous = ns.addr("fanout"), f"file://{ns.root / 'rendezvous'}"
-
-
-def start_children(args: ServerArgs, addr: Addresses) -> list[Child]:
-    """The scheduler (one process per tensor-parallel rank), and the tokenizer: one process that
-    also detokenizes, or with --num-tokenizer N a detokenizer and N workers that the API server
-    feeds in turn."""
-    ctx = mp.get_context("spawn")
-    model, tp = args.scheduler.model_path, args.tp_size
-    tok = dict(model_path=model, backend=addr.scheduler, frontend=addr.frontend)
-    jobs: list[tuple[str, Callable[..., None], dict[str, Any]]] = [
-        ("scheduler" if tp == 1 else f"scheduler-{rank}", scheduler_worker,
-         dict(config=replace(args.scheduler, tp_info=DistributedInfo(rank, tp),
-                             dist_init=addr.rendezvous if tp > 1 else ""),
-              inbox=addr.scheduler, outbox=addr.detokenizer, fanout=addr.fanout))
-        for rank in range(tp)]
-    jobs += [
-        ("detokenizer" if args.num_tokenizer else "tokenizer", tokenizer_worker,
-         dict(tok, inbox=addr.detokenizer, bind_inbox=True, has_workers=args.num_tokenizer > 0))]
-    jobs += [(f"tokenizer-{i}", tokenizer_worker, dict(tok, inbox=addr.tokenizer,
-                                                      bind_inbox=False,
-                                                      detokenizer=addr.detokenizer))
-             for i in range(args.num_tokenizer)]
-    children = []
-    for name, target, kwargs in jobs:
-        ready_recv, ready_send = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_child_main, name=f"minisgl-{name}",
-                              args=(target, dict(kwargs, ready=ready_send)))
-        process.start()
-        ready_send.close()  # the child holds the only writer: its death ends the pipe
-        children.append(Child(name, process, ready_recv))
-    return children
-
-
-def _child_main(target: Callable[..., None], kwargs: dict[str, Any]) -> None:
-    """Every child: Ctrl-C reaches the whole process group, but only the launcher acts on it
-    (it stops the children with SIGTERM, in order); and a child dies with its launcher."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    # a spawned child starts with logging unconfigured: its INFO lines (the attention backend
-    # chosen, the graphs captured) would be dropped
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    target(**kwargs)
-
-
-def stop_children(children: list[Child], timeout_s: float = 5.0) -> None:
-    """SIGTERM to all (each closes its sockets and leaves), SIGKILL to any still there."""
-    for c in children:
-        if c.process.is_alive():
-            c.process.terminate()
-    deadline = time.monotonic() + timeout_s
-    for c in children:
-        c.process.join(max(0.0, deadline - time.monotonic()))
-        if c.process.is_alive():
-            logger.warning("%s did not stop in %.0f s: killed", c.name, timeout_s)
-            c.process.kill()
-            c.process.join()
-
-
-async def watch(children: list[Child], manager: FrontendManager,
-                on_failure: Callable[[str], None]) -> None:
-    """Marks the manager ready once every child has said so; on a child's death, fails the
-    manager (waiting clients get an error, new ones a 503) and calls on_failure."""
-    waiting, start = {c.name for c in children}, time.monotonic()
-    manager.processes = {"launcher": os.getpid()} | {c.name: c.process.pid or 0 for c in children}
-    while True:
-        for c in children:
-            if c.process.exitcode is not None:
-                error = (f"the {c.name} process (pid {c.process.pid}) exited with code "
-                         f"{c.process.exitcode}")
-                manager.fail(error)
-                on_failure(error)
-                return
-            if c.name in waiting and c.ready.poll():
-                try:
-                    c.ready.recv()
-                    waiting.discard(c.name)
-                except EOFError:  # it died before saying so: its exit code comes next round
-                    pass
-        if not waiting and manager.state == "starting":
-            manager.state = "ready"
-            logger.info("ready: %s in %.1f s", ", ".join(c.name for c in children),
-                        time.monotonic() - start)
-        await asyncio.sleep(0.1)
 
 
 class _Server(uvicorn.Server):
@@ -220,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         children = start_children(args, Addresses(ns))
         if args.shell:
-            from .shell import run_shell
             return asyncio.run(run_shell(args, Addresses(ns), children))
         return asyncio.run(serve(args, Addresses(ns), children))
     except KeyboardInterrupt:

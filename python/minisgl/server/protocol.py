@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from minisgl.core import SamplingParams
+from minisgl.core import FinishReason, SamplingParams
 
 INT64_MAX = 2**63 - 1  # every integer a request carries fits the messages between processes
 TOKEN_ID_MAX = 2**31 - 1  # prompts travel as int32; the tokenizer checks the vocabulary
@@ -259,7 +259,7 @@ class Response:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+    def full(self, text: str, finish_reason: FinishReason, usage: dict[str, int]) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "finish_reason": finish_reason, "logprobs": None}
@@ -267,8 +267,9 @@ class Response:
         choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              usage: dict[str, int] | None = None, with_usage: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str | None, finish_reason: FinishReason | None = None,
+              role: bool = False, usage: dict[str, int] | None = None,
+              with_usage: bool = False) -> dict[str, Any]:
         """One streamed chunk: new text, or the role (the first), or the finish reason (the
         last with choices), or the usage (no choices). With include_usage, every chunk carries
         a `usage` key, null but on the usage chunk, as OpenAI sends them."""

@@ -11,7 +11,7 @@ from minisgl.core import SamplingParams
 
 from .args import ServerArgs
 from .frontend import FrontendManager
-from .launch import Addresses, Child, watch
+from .processes import Addresses, Child, watch
 
 HELP = "/reset forgets the conversation, /exit (or Ctrl-D) leaves"
 

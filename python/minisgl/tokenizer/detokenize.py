@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.message import DetokenizeMsg, UserReply
+from minisgl.message import DetokenizeMsg, FinishOrError, UserReply
 
 INCOMPLETE = "\ufffd"  # what decode() gives for the first bytes of a character still to come
 
@@ -44,7 +44,7 @@ class DetokenizeManager:
         if msg.finished:
             del self.status[msg.uid]
         if msg.error is not None:
-            return self._reply(msg.uid, s, "", "error", msg.error), False
+            return self._reply(msg.uid, s, "", "error", error=msg.error), False
         if s.stopped:
             return None, False
         if msg.next_token >= 0:
@@ -57,7 +57,8 @@ class DetokenizeManager:
                 self.status[msg.uid] = s  # kept until the scheduler's last message
             return self._reply(msg.uid, s, text, "stop"), not msg.finished
         if not msg.finished:
-            return (UserReply(msg.uid, text, False) if text else None), False
+            return (UserReply(msg.uid, incremental_output=text, finished=False) if text
+                    else None), False
         return self._reply(msg.uid, s, text, msg.finish_reason or "stop"), False
 
     def _decode(self, s: DecodeStatus, final: bool) -> None:
@@ -92,9 +93,10 @@ class DetokenizeManager:
         text, s.sent_offset = s.text[s.sent_offset:end], end
         return text, cut
 
-    def _reply(self, uid: int, s: DecodeStatus, text: str, reason: str,
+    def _reply(self, uid: int, s: DecodeStatus, text: str, reason: FinishOrError,
                error: str | None = None) -> UserReply:
         if error is None and not s.stopped:  # the held-back tail of a finished output goes too
             text += s.text[s.sent_offset:]
             s.sent_offset = len(s.text)
-        return UserReply(uid, text, True, reason, s.prompt_tokens, len(s.ids), error)
+        return UserReply(uid, incremental_output=text, finished=True, finish_reason=reason,
+                         prompt_tokens=s.prompt_tokens, completion_tokens=len(s.ids), error=error)

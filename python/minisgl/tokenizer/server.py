@@ -12,14 +12,17 @@ from transformers import AutoTokenizer
 from minisgl.message import (
     AbortBackendMsg,
     AbortMsg,
+    BackendItem,
     BatchBackendMsg,
     BatchFrontendMsg,
     BatchTokenizerMsg,
     DetokenizeMsg,
     DetokenizeSetupMsg,
+    FrontendItem,
     StatsMsg,
     StatsReply,
     TokenizeMsg,
+    TokenizerItem,
     TokenizerMsg,
     UserMsg,
     UserReply,
@@ -45,13 +48,11 @@ class TokenizerServer:
         self.setups_from_workers = setups_from_workers
         self.early: dict[int, list[DetokenizeMsg]] = defaultdict(list)
 
-    def handle(self, msgs: list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg | AbortMsg
-                                | StatsMsg | StatsReply]
-               ) -> tuple[list[UserMsg | AbortBackendMsg | StatsMsg],
-                          list[UserReply | StatsReply], list[DetokenizeSetupMsg]]:
+    def handle(self, msgs: list[TokenizerItem]
+               ) -> tuple[list[BackendItem], list[FrontendItem], list[DetokenizeSetupMsg]]:
         """Messages for the scheduler, replies for the API server, setups to forward."""
-        to_scheduler: list[UserMsg | AbortBackendMsg | StatsMsg] = []
-        replies: list[UserReply | StatsReply] = []
+        to_scheduler: list[BackendItem] = []
+        replies: list[FrontendItem] = []
         setups: list[DetokenizeSetupMsg] = []
         for msg in msgs:
             if isinstance(msg, TokenizeMsg):
@@ -60,7 +61,8 @@ class TokenizerServer:
                 except Exception as e:  # a bad prompt or a chat the template rejects: answered
                     # here, the scheduler never sees it, and the process goes on serving
                     error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-                    replies.append(UserReply(msg.uid, "", True, "error", error=error))
+                    replies.append(UserReply(msg.uid, incremental_output="", finished=True,
+                                             finish_reason="error", error=error))
                     continue
                 setups.append(DetokenizeSetupMsg(msg.uid, len(ids), msg.stop))
                 to_scheduler.append(UserMsg(msg.uid, ids, msg.sampling_params, msg.cache_salt))
@@ -107,7 +109,7 @@ def tokenizer_worker(model_path: str, inbox: str, bind_inbox: bool, backend: str
         if ready is not None:
             ready.send("tokenizer")
         while True:
-            pump(server, pull, to_backend, to_frontend, to_detok)
+            pump(server, pull, to_backend=to_backend, to_frontend=to_frontend, to_detok=to_detok)
 
 
 def pump(server: TokenizerServer, pull: ZmqPullQueue[TokenizerMsg],
@@ -127,8 +129,7 @@ def pump(server: TokenizerServer, pull: ZmqPullQueue[TokenizerMsg],
         to_frontend.put(BatchFrontendMsg(replies))
 
 
-def _unbatch(msg: TokenizerMsg | None) -> list[TokenizeMsg | DetokenizeMsg | DetokenizeSetupMsg
-                                               | AbortMsg | StatsMsg | StatsReply]:
+def _unbatch(msg: TokenizerMsg | None) -> list[TokenizerItem]:
     if msg is None:
         return []
     return list(msg.data) if isinstance(msg, BatchTokenizerMsg) else [msg]
