@@ -90,9 +90,12 @@ def test_metrics_against_a_fake_server_with_usage(backend: str, fake: Callable) 
     r = bench.one_request(bench.Target(port=server.port, backend=backend, timeout=10),
                           [5, 6, 7] if backend == "completions" else "hi", 9)
     assert r.ok and r.error == ""
-    assert r.ttft == pytest.approx(0.2, abs=0.08)  # the role-only / empty chunk is not text
-    assert len(r.itl) == 3 and all(x == pytest.approx(0.1, abs=0.08) for x in r.itl)
-    assert r.e2e == pytest.approx(0.5, abs=0.15) and r.e2e >= r.ttft + sum(r.itl) - 1e-9
+    # Bounds the script makes certain whatever the machine's load: no text before 0.2 s (the
+    # role-only / empty chunk at 0.05 s is not text), [DONE] not before 0.5 s; the upper bounds
+    # only catch a clock that never stopped.
+    assert 0.2 <= r.ttft < 5
+    assert len(r.itl) == 3 and all(0 <= x < 5 for x in r.itl)  # between the 4 text chunks
+    assert 0.5 <= r.e2e < 10 and r.e2e >= r.ttft + sum(r.itl) - 1e-9
     assert r.from_usage and r.output_tokens == 4  # usage's count, not the 9 asked for
     row = bench.summarize(float("inf"), [r], 2.0)
     assert row["output_len_source"] == "usage" and row["completed"] == 1 and row["failed"] == 0
