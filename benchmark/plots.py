@@ -260,7 +260,7 @@ def workload_note(report: dict[str, Any]) -> str:
 # --- online.svg -----------------------------------------------------------------------------
 
 # two calls on the same code, each a fresh machine with both servers started once
-ONLINE = ["2026-12-04-h200-ch21_online-9468721.json", "2026-12-04-h200-ch21_online2-9468721.json"]
+ONLINE = ["2026-12-04-h200-ch21_online-9346170.json", "2026-12-04-h200-ch21_online2-9346170.json"]
 ONLINE_PANELS = [("输出 tok/s", "out_tok_s"), ("TTFT p50（毫秒）", "ttft_ms_p50"),
                  ("token 间隔 p99（毫秒）", "itl_ms_p99")]
 

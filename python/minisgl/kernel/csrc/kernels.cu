@@ -173,12 +173,16 @@ __global__ void rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out, const 
   }
 }
 
-// Qwen3's q/k norms and the rotary embedding in one pass: a warp per (token, head) row, rows in
+// Qwen3's q/k norms and the rotary embedding in one pass: `lanes` lanes per (token, head) row (the
+// row's packs rounded up to a power of two, at most a warp), so a warp holds 32 / lanes rows, in
 // token order, q's heads then k's. The row is normalised with its weight (q_weight or k_weight)
 // and rounded to T as rms_norm_kernel rounds it, then rotated as rope_kernel rotates, so the
-// result is theirs bit for bit (where rms_norm_kernel gives the row a warp: D / N <= 64); one
-// launch instead of three. Each lane then takes N consecutive pairs (j, j + D/2) at a time; a
-// warp past the last row still joins the shuffle.
+// result is theirs bit for bit (where rms_norm_kernel gives the row a warp: D / N <= 64): a lane
+// sums the squares of the packs rms_norm_kernel's lane of that number sums, and the butterfly
+// over the row's lanes adds what the warp's butterfly adds (its other partners hold zeros). Each
+// lane then writes whole packs of the output, the first half's (x1 c - x2 s) or the second's
+// (x2 c + x1 s), reading both halves; one launch instead of three. A row past the last still
+// joins the shuffles.
 template <typename T, int N, typename Position>
 __global__ void qk_norm_rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out,
                                     const T* __restrict__ q, const T* __restrict__ k,
@@ -186,12 +190,12 @@ __global__ void qk_norm_rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out
                                     const float* __restrict__ table,
                                     const Position* __restrict__ positions, int64_t tokens,
                                     int64_t q_stride, int64_t k_stride, int q_heads, int k_heads,
-                                    int head_dim, float eps) {
+                                    int head_dim, float eps, int lanes) {
   using P = Pack<T, N>;
   const int heads = q_heads + k_heads, half = head_dim / 2;
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
-  const unsigned lane = threadIdx.x % kWarp;
-  const int groups = row < tokens * heads ? half / N : 0;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
+  const int lane = int(threadIdx.x % kWarp) % lanes;
+  const int packs = row < tokens * heads ? head_dim / N : 0, groups = packs / 2;
   const int64_t t = row / heads;
   const int head = int(row % heads);
   const bool is_q = head < q_heads;
@@ -199,27 +203,28 @@ __global__ void qk_norm_rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out
   const T* in = is_q ? q + t * q_stride + h * head_dim : k + t * k_stride + h * head_dim;
   T* out = is_q ? q_out + (t * q_heads + h) * head_dim : k_out + (t * k_heads + h) * head_dim;
   const T* w = is_q ? q_weight : k_weight;
-  float squares = 0.0f;  // summed in rms_norm_kernel's order (a lane per pack), so equal to it
-  for (int p = lane; p < 2 * groups; p += kWarp) {
+  float squares = 0.0f;
+  for (int p = lane; p < packs; p += lanes) {
     const P a = reinterpret_cast<const P*>(in)[p];
     for (int i = 0; i < N; ++i) squares += to_float(a.v[i]) * to_float(a.v[i]);
   }
-  const float inv = rsqrtf(warp_sum(squares) / float(head_dim) + eps);
-  const float* angle = groups ? table + int64_t(positions[t]) * head_dim : table;
-  for (int g = lane; g < groups; g += kWarp) {
-    const int j = g * N;
+  for (int m = lanes / 2; m > 0; m >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, m);
+  const float inv = rsqrtf(squares / float(head_dim) + eps);
+  const float* angle = packs ? table + int64_t(positions[t]) * head_dim : table;
+  for (int p = lane; p < packs; p += lanes) {
+    const bool second = p >= groups;  // this pack is in the second half: x2 c + x1 s
+    const int j = (second ? p - groups : p) * N;
     const P a = *reinterpret_cast<const P*>(in + j), b = *reinterpret_cast<const P*>(in + j + half);
     const P wa = *reinterpret_cast<const P*>(w + j), wb = *reinterpret_cast<const P*>(w + j + half);
-    P lo, hi;
+    P y;
     for (int i = 0; i < N; ++i) {
       const float x1 = round_to<T>(to_float(wa.v[i]) * round_to<T>(to_float(a.v[i]) * inv));
       const float x2 = round_to<T>(to_float(wb.v[i]) * round_to<T>(to_float(b.v[i]) * inv));
       const float c = round_to<T>(angle[j + i]), s = round_to<T>(angle[half + j + i]);
-      lo.v[i] = from_float<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
-      hi.v[i] = from_float<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
+      y.v[i] = from_float<T>(second ? round_to<T>(x2 * c) + round_to<T>(x1 * s)
+                                    : round_to<T>(x1 * c) - round_to<T>(x2 * s));
     }
-    *reinterpret_cast<P*>(out + j) = lo;
-    *reinterpret_cast<P*>(out + j + half) = hi;
+    *reinterpret_cast<P*>(out + j + (second ? half : 0)) = y;
   }
 }
 
@@ -460,18 +465,21 @@ int qk_norm_rope(void* q_out, void* k_out, const void* q, const void* k, const v
     auto* qw = static_cast<const T*>(q_weight);
     auto* kw = static_cast<const T*>(k_weight);
     auto* tb = static_cast<const float*>(table);
-    const unsigned warps = 4;
+    const unsigned warps = 8;
     const int64_t rows = tokens * (q_heads + k_heads);
-    const dim3 grid(unsigned((rows + warps - 1) / warps)), block(warps * kWarp);
     auto go = [&](auto width) {
       constexpr int N = decltype(width)::value;
+      int lanes = 1;  // the row's packs, rounded up to a power of two, at most a warp
+      while (lanes < kWarp && lanes < head_dim / N) lanes *= 2;
+      const int64_t per_block = int64_t(warps) * (kWarp / lanes);
+      const dim3 grid(unsigned((rows + per_block - 1) / per_block)), block(warps * kWarp);
       if (position_bytes == 4)
         return LAUNCH((qk_norm_rope_kernel<T, N, int32_t>), grid, block, stream)(
             qo, ko, qi, ki, qw, kw, tb, static_cast<const int32_t*>(positions), tokens, q_stride,
-            k_stride, q_heads, k_heads, head_dim, eps);
+            k_stride, q_heads, k_heads, head_dim, eps, lanes);
       return LAUNCH((qk_norm_rope_kernel<T, N, int64_t>), grid, block, stream)(
           qo, ko, qi, ki, qw, kw, tb, static_cast<const int64_t*>(positions), tokens, q_stride,
-          k_stride, q_heads, k_heads, head_dim, eps);
+          k_stride, q_heads, k_heads, head_dim, eps, lanes);
     };
     constexpr int N = 16 / sizeof(T);
     const bool wide = (head_dim / 2 | q_stride | k_stride) % N == 0 && aligned16(qo) &&
