@@ -16,7 +16,7 @@ quickstart: $(STAMP)
 test: $(STAMP)
 	$(PY) tools/models.py tiny
 	$(PY) tools/models.py smollm2
-	ruff check . && time python -m pytest -q --durations=10 && time python tools/steps.py check && mkdocs build --strict
+	ruff check . && mypy && time python -m pytest -q --durations=10 && time python tools/steps.py check && mkdocs build --strict
 
 docs: $(STAMP)
 	mkdocs serve

@@ -121,10 +121,10 @@ class FlashInferBackend(BaseAttnBackend):
 
     # graph hooks: a decode wrapper per batch size, over fixed device buffers
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
-        max_bs, kw = max(bs_list), dict(dtype=torch.int32, device=self.device)
-        self.graph_indptr = torch.zeros(max_bs + 1, **kw)
-        self.graph_indices = torch.zeros(max_bs * max_seq_len, **kw)
-        self.graph_last_page_len = torch.ones(max_bs, **kw)
+        max_bs, i32, dev = max(bs_list), torch.int32, self.device
+        self.graph_indptr = torch.zeros(max_bs + 1, dtype=i32, device=dev)
+        self.graph_indices = torch.zeros(max_bs * max_seq_len, dtype=i32, device=dev)
+        self.graph_last_page_len = torch.ones(max_bs, dtype=i32, device=dev)
 
     def prepare_for_capture(self, batch: Batch) -> None:
         bs = batch.padded_size

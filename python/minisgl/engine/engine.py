@@ -19,6 +19,7 @@ from minisgl.kvcache import create_kvcache_pool
 from minisgl.models import create_model, load_weight
 from minisgl.moe import BaseMoeBackend, create_moe_backend, resolve_moe_backend
 from minisgl.utils.device import (
+    NullEvent,
     create_event,
     create_stream,
     pick_device,
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 class ForwardOutput(NamedTuple):
     next_tokens_device: torch.Tensor  # [bs] int32, stays on the device (next step's input)
     next_tokens_cpu: torch.Tensor  # [bs] int32, valid once copy_done has fired
-    copy_done: object  # torch.cuda.Event, or a NullEvent on the CPU
+    copy_done: torch.cuda.Event | NullEvent  # a NullEvent on the CPU
 
 
 @contextmanager
@@ -172,7 +173,7 @@ class Engine:
         next_tokens = self.sampler.sample(logits[: batch.size], args).to(torch.int32)
         next_tokens_cpu = next_tokens.to("cpu", non_blocking=True)
         copy_done = create_event(self.device)
-        copy_done.record(self.stream)
+        copy_done.record(self.stream)  # type: ignore[arg-type]  # a CUDA stream with a CUDA event
         return ForwardOutput(next_tokens, next_tokens_cpu, copy_done)
 
     def shutdown(self) -> None:

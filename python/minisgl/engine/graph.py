@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from minisgl.attention import BaseAttnBackend
 from minisgl.core import Batch, Context, Req
+from minisgl.models import BaseLLMModel
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class GraphRunner:
 
     INPUTS = ("input_ids", "positions", "out_loc")  # what replay copies into static buffers
 
-    def __init__(self, model: torch.nn.Module, ctx: Context, stream: Any, sizes: list[int],
+    def __init__(self, model: BaseLLMModel, ctx: Context, stream: Any, sizes: list[int],
                  vocab_size: int, dtype: torch.dtype, dummy_req: Req, dummy_slot: int) -> None:
         self.model, self.ctx, self.stream, self.sizes = model, ctx, stream, sizes
         self.max_bs = max(sizes, default=0)

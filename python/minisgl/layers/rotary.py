@@ -39,6 +39,7 @@ class RotaryEmbedding(StateLessOP):
         key = (positions, forward_count(), q.dtype)
         if self._key is None or self._key[0] is not positions or self._key[1:] != key[1:]:
             self._key, self._looked_up = key, rope_cos_sin(positions, self._cos_sin_cache, q.dtype)
+        assert self._looked_up is not None
         return apply_rope_with(q, k, *self._looked_up)
 
     def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -88,7 +89,7 @@ class LLM(Scheduler):
             pass
         if os.environ.get("MINISGL_CHECK_INTEGRITY") == "1":  # a debug switch (the tests')
             self.cache_manager.check_integrity()  # idle: every page is free or cached
-        return [{"text": self.tokenizer.decode(s.output_ids), "token_ids": s.output_ids}
+        return [{"text": cast(str, self.tokenizer.decode(s.output_ids)), "token_ids": s.output_ids}
                 for s in self.status.values()]
 
     def _tokenize(self, prompt: str | list[int]) -> torch.Tensor:

@@ -4,6 +4,7 @@ pickle."""
 from __future__ import annotations
 
 import dataclasses
+from types import UnionType
 from typing import Any, TypeVar
 
 import msgpack
@@ -37,7 +38,7 @@ def encode(obj: object) -> bytes:
     return msgpack.packb(obj, default=_pack_ext, use_bin_type=True)
 
 
-def decode(data: bytes, expected: type[T]) -> T:
+def decode(data: bytes, expected: type[T] | UnionType) -> T:
     """The object that encode() turned into data, which must be an `expected`. Raises
     MessageError, naming the problem, for anything else."""
     try:
@@ -64,7 +65,8 @@ def _pack_ext(obj: Any) -> msgpack.ExtType:
     name = type(obj).__name__
     if _REGISTRY.get(name) is not type(obj):
         raise TypeError(f"cannot send a {name}: register it with @message")
-    fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    cls: Any = type(obj)  # a registered dataclass (checked above)
+    fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)}
     payload = msgpack.packb([name, fields], default=_pack_ext, use_bin_type=True)
     return msgpack.ExtType(_EXT_MESSAGE, payload)
 

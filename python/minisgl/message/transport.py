@@ -8,7 +8,8 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Generic, TypeVar
+from types import UnionType
+from typing import Generic, TypeVar, overload
 
 import zmq
 import zmq.asyncio
@@ -64,7 +65,7 @@ class _Queue:
 
 class _Receiver(_Queue, Generic[T]):
     def __init__(self, ctx: zmq.Context, kind: int, addr: str, bind: bool,
-                 expected: type[T], options: dict[int, int] | None = None) -> None:
+                 expected: type[T] | UnionType, options: dict[int, int] | None = None) -> None:
         super().__init__(ctx, kind, addr, bind=bind, options=options)
         self.expected, self.refused = expected, 0
 
@@ -80,6 +81,11 @@ class _Receiver(_Queue, Generic[T]):
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
+
+    @overload
+    def get_raw(self, timeout_ms: None = None) -> bytes: ...
+    @overload
+    def get_raw(self, timeout_ms: int | None) -> bytes | None: ...
 
     def get_raw(self, timeout_ms: int | None = None) -> bytes | None:
         """The next frame, undecoded (rank 0 forwards it to the other ranks as it is); None if
@@ -106,7 +112,7 @@ class ZmqPushQueue(_Queue, Generic[T]):
 
 
 class ZmqPullQueue(_Receiver[T]):
-    def __init__(self, addr: str, bind: bool, expected: type[T]) -> None:
+    def __init__(self, addr: str, bind: bool, expected: type[T] | UnionType) -> None:
         super().__init__(zmq.Context.instance(), zmq.PULL, addr, bind=bind, expected=expected)
 
     def get(self, timeout_ms: int | None = None) -> T | None:
@@ -149,7 +155,7 @@ class ZmqPubQueue(_Queue, Generic[T]):
 
 
 class ZmqSubQueue(_Receiver[T]):
-    def __init__(self, addr: str, bind: bool, expected: type[T]) -> None:
+    def __init__(self, addr: str, bind: bool, expected: type[T] | UnionType) -> None:
         super().__init__(zmq.Context.instance(), zmq.SUB, addr, bind=bind, expected=expected,
                          options={zmq.RCVHWM: 0})  # see ZmqPubQueue
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")  # every message
@@ -172,7 +178,7 @@ class ZmqAsyncPushQueue(_Queue, Generic[T]):
 
 
 class ZmqAsyncPullQueue(_Receiver[T]):
-    def __init__(self, addr: str, bind: bool, expected: type[T]) -> None:
+    def __init__(self, addr: str, bind: bool, expected: type[T] | UnionType) -> None:
         super().__init__(zmq.asyncio.Context.instance(), zmq.PULL, addr, bind=bind,
                          expected=expected)
 

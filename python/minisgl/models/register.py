@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 from .base import BaseLLMModel
 from minisgl.model_config import ModelConfig
@@ -17,7 +18,7 @@ _MODELS = {
 }
 
 
-def get_model_class(architecture: str) -> type[BaseLLMModel]:
+def get_model_class(architecture: str) -> Callable[[ModelConfig], BaseLLMModel]:
     if architecture not in _MODELS:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: "
                          f"{', '.join(sorted(_MODELS))}")

@@ -7,7 +7,7 @@ import json
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from io import BufferedReader
 
 import torch
 from tqdm import tqdm
@@ -39,7 +39,7 @@ def read_header(path: Path) -> tuple[int, dict[str, dict]]:
     return 8 + header_len, header
 
 
-def _read_into(f: BinaryIO, base: int, info: dict, out: torch.Tensor,
+def _read_into(f: BufferedReader, base: int, info: dict, out: torch.Tensor,
                rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> None:
     """Read one tensor's bytes from the open file into `out` (any dtype, any device): all of
     it, or only rows [a, b) (one read), or only columns [a, b) of a matrix (one read per row):
@@ -49,7 +49,7 @@ def _read_into(f: BinaryIO, base: int, info: dict, out: torch.Tensor,
     item = src_dtype.itemsize
     direct = out.dtype == src_dtype and out.device.type == "cpu" and out.is_contiguous()
     buffer = out if direct else torch.empty(out.shape, dtype=src_dtype)
-    flat = buffer.view(-1).view(torch.uint8).numpy()
+    flat = buffer.view(-1).view(torch.uint8).numpy().data  # a memoryview of its bytes
     if cols is not None:  # a [rows, cols] matrix, its columns [a, b): row after row
         a, b = cols
         width = (b - a) * item
@@ -128,10 +128,11 @@ def load_weight(model_path: str | Path, device: torch.device, dtype: torch.dtype
     rows: dict[tuple[str, str | None], int] = {}  # (our name, part) -> first row
     result: dict[str, torch.Tensor] = {}
     for key, shapes in parts.items():
-        order = [None] if None in shapes else _MERGES[next(iter(shapes))][1]
-        missing = [p for p in order if p not in shapes]
+        merged = [] if None in shapes else list(_MERGES[next(p for p in shapes if p)][1])
+        order: list[str | None] = [*merged] if merged else [None]
+        missing = [p for p in merged if p not in shapes]
         if missing:
-            name = key.replace(_MERGES[missing[0]][0], missing[0])  # type: ignore[index]
+            name = key.replace(_MERGES[missing[0]][0], missing[0])
             raise KeyError(f"the checkpoint has no tensor {name!r} (needed for {key})")
         first = 0
         for part in order:

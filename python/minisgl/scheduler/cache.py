@@ -71,6 +71,7 @@ class CacheManager:
           still ours while we run, freed when we finish."""
         slots = self.page_table[req.table_idx, : req.cached_len]
         old = req.cache_handle  # its salt is the request's: the insertion goes under it
+        assert old is not None, "a running request holds its cache handle"
         in_cache, new = self.prefix_cache.insert_prefix(req.input_ids[: req.cached_len], slots,
                                                         old.salt)
         self.unlock(old)

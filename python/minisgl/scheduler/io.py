@@ -19,6 +19,7 @@ from minisgl.message import (
     ExitMsg,
     StatsMsg,
     StatsReply,
+    TokenizerItem,
     UserMsg,
 )
 from minisgl.message.transport import ZmqPubQueue, ZmqPullQueue, ZmqPushQueue, ZmqSubQueue
@@ -69,7 +70,7 @@ class ServerScheduler(Scheduler):
         """The frames that arrived, the same list on every rank. Waits (for the first) only when
         there is nothing to run; every rank knows that alike, since all run the same batches."""
         if self.tp.is_primary:
-            frames = []
+            frames: list[bytes] = []
             while (f := self.inbox.get_raw(None if blocking and not frames else 0)) is not None:
                 frames.append(f)
                 if self.fanout is not None:
@@ -88,7 +89,7 @@ class ServerScheduler(Scheduler):
             if (msg := self.inbox.accept(frame)) is not None:  # malformed: refused on every rank
                 msgs += msg.data if isinstance(msg, BatchBackendMsg) else [msg]
         reqs: list[PendingReq] = []
-        answers: list[DetokenizeMsg | StatsReply] = []  # sent at once, in one frame
+        answers: list[TokenizerItem] = []  # sent at once, in one frame
         for m in msgs:
             if isinstance(m, ExitMsg):
                 raise SchedulerExit

@@ -44,6 +44,7 @@ class PrefillAdder:
         if self.token_budget <= 0:
             return None
         if (chunked := pending.chunked_req) is not None:  # its next part: resources are held
+            assert chunked.cache_handle is not None
             return self._add(pending, chunked.table_idx, chunked.cache_handle, chunked.cached_len)
         if (got := self._try_allocate(pending)) is None:
             return None
@@ -127,6 +128,7 @@ class PrefillManager:
             if pending.chunked_req is not None:
                 waiting.insert(0, pending)  # its next part goes first next time
             reqs.append(req)
+            assert req.cache_handle is not None  # every request here got its pages
             if (head := self._head(req.cache_handle.salt, req.input_ids)) is not None:
                 heads.setdefault(head, []).append(req)
         self.pending = waiting

@@ -162,7 +162,9 @@ class Scheduler:
         if forward_input is not None:
             with self._launching(forward_input.batch):
                 with stream_context(self.engine.stream):
-                    self.engine.stream.wait_stream(self.stream)  # the batch's inputs are ready
+                    # the batch's inputs are ready (both streams come from create_stream on one
+                    # device: both CUDA streams, or both NullStreams)
+                    self.engine.stream.wait_stream(self.stream)  # type: ignore[arg-type]
                     output = self._forward(forward_input)
                 # back on our stream: the bookkeeping after launch edits page-table rows and
                 # the free list, which the next batch's preparation (on our stream) reads
@@ -184,7 +186,7 @@ class Scheduler:
         """Loop until receive_reqs raises (the offline LLM does so once all are done)."""
         if not self.overlap:
             with stream_context(self.engine.stream):
-                self.engine.stream.wait_stream(self.stream)
+                self.engine.stream.wait_stream(self.stream)  # type: ignore[arg-type]
                 while True:
                     self.normal_loop()
         data = None
@@ -217,7 +219,7 @@ class Scheduler:
             # A prefill may reuse the table row of a request that finished while the batch now
             # in flight still writes its last token there: let our stream's copies into that
             # row wait for it (a device-side wait; the host goes on).
-            self.stream.wait_stream(self.engine.stream)
+            self.stream.wait_stream(self.engine.stream)  # type: ignore[arg-type]
             batch = self.prefill_manager.schedule_next_batch(self.config.max_extend_tokens)
         batch = batch or self.decode_manager.schedule_next_batch()
         self.decode_turn = batch is not None and batch.is_prefill
@@ -250,14 +252,15 @@ class Scheduler:
             # a prompt's first part starts right after its cached prefix; the later parts of a
             # chunked prompt start further on and found nothing new in the cache
             self.stats.cached_tokens += sum(r.cached_len for r in batch.reqs
-                                            if r.cached_len == r.cache_handle.cached_len)
+                                            if r.cache_handle is not None
+                                            and r.cached_len == r.cache_handle.cached_len)
         else:
             self.stats.decode_batches += 1
         output = self.engine.forward_batch(batch, forward_input.sample_args)
         self.token_pool[forward_input.write_indices] = output.next_tokens_device
         # "done" must also cover the scatter just issued, not only the copy to the host
         done = create_event(self.device)
-        done.record(self.engine.stream)
+        done.record(self.engine.stream)  # type: ignore[arg-type]
         return output._replace(copy_done=done)
 
     def _after_launch(self, batch: Batch) -> None:

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -239,7 +239,7 @@ async def _all(first: Batch, batches: AsyncIterator[Batch]) -> AsyncIterator[Bat
         yield batch
 
 
-async def _openai_events(shape: Shape, first: Batch, batches: AsyncIterator[Batch],
+async def _openai_events(shape: Shape, first: Batch, batches: AsyncGenerator[Batch, None],
                          include_usage: bool) -> AsyncIterator[bytes]:
     """role first, then the text as it comes, one chunk with the finish reason, with
     include_usage a last chunk with no choices and the usage, then [DONE]. The events of
@@ -271,7 +271,8 @@ async def _openai_events(shape: Shape, first: Batch, batches: AsyncIterator[Batc
     yield b"".join(out)
 
 
-async def _generate_events(first: Batch, batches: AsyncIterator[Batch]) -> AsyncIterator[bytes]:
+async def _generate_events(first: Batch, batches: AsyncGenerator[Batch, None]
+                           ) -> AsyncIterator[bytes]:
     """/generate's events: {"text"} as it comes; the last adds finish_reason and usage."""
     out: list[bytes] = []
     async with aclosing(batches):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -45,7 +45,8 @@ class FrontendManager:
         self.max_requests = max_requests  # requests in flight at most (--max-queued-requests)
         self.requests = 0  # in flight now: submitted, not yet finished or given up
         self.to_tokenizer = ZmqAsyncPushQueue[TokenizerMsg](to_tokenizer, bind_to_tokenizer)
-        self.from_tokenizer = ZmqAsyncPullQueue(from_tokenizer, bind=True, expected=FrontendMsg)
+        self.from_tokenizer: ZmqAsyncPullQueue[FrontendMsg] = ZmqAsyncPullQueue(
+            from_tokenizer, bind=True, expected=FrontendMsg)
         self.uids = itertools.count()
         self.inboxes: dict[int, _Inbox] = {}
         self.state = "starting"
@@ -88,7 +89,7 @@ class FrontendManager:
         self.requests += 1
         return uid
 
-    async def batches(self, uid: int) -> AsyncIterator[list[UserReply]]:
+    async def batches(self, uid: int) -> AsyncGenerator[list[UserReply], None]:
         """The request's replies in order, up to the finished one, as lists: each holds every
         reply that had come when its reader woke. A reader that keeps up gets one reply at a
         time; one that falls behind (a loaded server) gets several and can send them in one
@@ -112,7 +113,7 @@ class FrontendManager:
             if not finished:
                 self.abort(uid)
 
-    async def replies(self, uid: int) -> AsyncIterator[UserReply]:
+    async def replies(self, uid: int) -> AsyncGenerator[UserReply, None]:
         """The same replies one at a time (closing this closes, and so aborts, the request)."""
         async with aclosing(self.batches(uid)) as batches:
             async for batch in batches:

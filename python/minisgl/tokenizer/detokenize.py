@@ -4,6 +4,7 @@ strings."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -65,11 +66,12 @@ class DetokenizeManager:
         """Extend s.text by the new tokens' text, unless it ends in an incomplete character:
         then wait for the next token (at the end, decode everything as it is)."""
         if final:
-            s.text = self.tokenizer.decode(s.ids, skip_special_tokens=True)
+            s.text = cast(str, self.tokenizer.decode(s.ids, skip_special_tokens=True))
             return
-        before = self.tokenizer.decode(s.ids[s.surr_offset:s.read_offset],
-                                       skip_special_tokens=True)
-        now = self.tokenizer.decode(s.ids[s.surr_offset:], skip_special_tokens=True)
+        # one list of ids decodes to one str (decode's type also covers a batch of lists)
+        before = cast(str, self.tokenizer.decode(s.ids[s.surr_offset:s.read_offset],
+                                                 skip_special_tokens=True))
+        now = cast(str, self.tokenizer.decode(s.ids[s.surr_offset:], skip_special_tokens=True))
         if len(now) > len(before) and not now.endswith(INCOMPLETE):
             s.text += now[len(before):]
             s.surr_offset, s.read_offset = s.read_offset, len(s.ids)

@@ -101,7 +101,8 @@ def tokenizer_worker(model_path: str, inbox: str, bind_inbox: bool, backend: str
     server = TokenizerServer(model_path, forward_setups=detokenizer is not None,
                              setups_from_workers=has_workers)
     with ExitStack() as sockets:  # closed however the loop ends
-        pull = sockets.enter_context(ZmqPullQueue(inbox, bind=bind_inbox, expected=TokenizerMsg))
+        pull: ZmqPullQueue[TokenizerMsg] = sockets.enter_context(
+            ZmqPullQueue(inbox, bind=bind_inbox, expected=TokenizerMsg))
         to_backend = sockets.enter_context(ZmqPushQueue[BatchBackendMsg](backend, bind=False))
         to_frontend = sockets.enter_context(ZmqPushQueue[BatchFrontendMsg](frontend, bind=False))
         to_detok = (sockets.enter_context(ZmqPushQueue[BatchTokenizerMsg](detokenizer, bind=False))

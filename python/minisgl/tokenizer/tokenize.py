@@ -3,6 +3,8 @@ ids."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -23,7 +25,8 @@ class TokenizeManager:
         elif prompt and all(isinstance(m, dict) for m in prompt):
             # a chat: the template writes every special token itself (BOS included), so the
             # templated text is encoded without adding any
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False,
+            chat = cast(list[dict[str, str]], prompt)
+            text = self.tokenizer.apply_chat_template(chat, tokenize=False,
                                                       add_generation_prompt=True)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
