@@ -23,6 +23,7 @@ import argparse
 import filecmp
 import json
 import re
+import statistics
 import sys
 import tempfile
 import warnings
@@ -282,7 +283,7 @@ def online(path: Path) -> None:
             colour = SERIES[k % len(SERIES)]
             per = [[r[key] for r in rows if r["engine"] == engine and r["load"] == ld]
                    for ld in loads]
-            mid = [sorted(v)[len(v) // 2] for v in per]
+            mid = [statistics.median(v) for v in per]  # as the tables: the mean of the middle two
             for group in (closed, poisson):  # no line from the last N in flight to a rate
                 ax.errorbar(group, [mid[i] for i in group],
                             yerr=[[mid[i] - min(per[i]) for i in group],
