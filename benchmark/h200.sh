@@ -55,7 +55,8 @@ offline)  # the comparison: ours (overlap on and off) and the official, in turns
         ours:fi:graph:off
     ;;
 workloads)  # ours and the official in turns: nano-vllm's alone (its own configuration), then
-    # our four on one pair of engines; batch 1 and the host profile with each
+    # our four on one pair of engines; batch 1 and the host profile with each. All four need
+    # more than one 600 s call: W="long prefix" and W="short mixed" (with NANO=0) split them
     workload() {  # TAG WORKLOAD...
         local tag=$1; shift
         echo "# python benchmark/bench_offline.py --model q06 --rounds 3 --latency --host-profile" \
@@ -65,7 +66,7 @@ workloads)  # ours and the official in turns: nano-vllm's alone (its own configu
             --json "$OUT/ch21_w_$tag.json" 2>&1 | quiet | tee -a "$OUT/ch21_workloads.txt"
     }
     [ "${NANO:-1}" = 1 ] && workload nano nano
-    workload ours prefix long short mixed
+    workload ours ${W:-prefix long short mixed}
     ;;
 profile)  # one more round of each, and 50 decode steps of each profiled mid-run
     offline ch21_profile 1 --profile --group ours:fi:graph:on official:fi:graph:on
