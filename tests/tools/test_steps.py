@@ -405,6 +405,25 @@ def test_i_include_of_a_missing_symbol_fails(repo: Path) -> None:
     edit(repo, "docs/ch00-a.md", "naive.py#greet", "naive.py#nosuch")
     check_fails(repo, "--no-run", expect={(0, 5)}, message="has no def or class 'nosuch'")
 
+def test_count_markers_are_written_by_pages_and_checked(repo: Path) -> None:
+    marked = ("naive.py：<!-- n: lines 0:naive.py -->9<!-- /n --> 行，"
+              "<!-- n: tests 0:tests/ch00/test_a.py -->0<!-- /n --> 个测试。\n\n## 运行结果")
+    edit(repo, "docs/ch00-a.md", "## 运行结果", marked)
+    check_fails(repo, "--no-run", expect={(0, 5)}, message="a count marker is stale")
+    assert steps_cmd(repo, "pages", "0").returncode == 0
+    page = (repo / "docs/ch00-a.md").read_text(encoding="utf-8")
+    assert "<!-- n: lines 0:naive.py -->3<!-- /n --> 行" in page  # NAIVE is 3 lines
+    assert "<!-- n: tests 0:tests/ch00/test_a.py -->1<!-- /n --> 个测试" in page
+    assert steps_cmd(repo, "check", "--no-run").returncode == 0
+
+
+def test_a_count_marker_naming_no_file_fails(repo: Path) -> None:
+    edit(repo, "docs/ch00-a.md", "## 运行结果",
+         "<!-- n: lines 0:nope.py -->1<!-- /n -->\n\n## 运行结果")
+    check_fails(repo, "--no-run", expect={(0, 5)}, message="tree 0 has no nope.py")
+    assert steps_cmd(repo, "pages", "0").returncode == 1  # pages says so too
+
+
 
 @pytest.mark.parametrize(
     ("include", "message"),

@@ -63,7 +63,8 @@ def check_python_tree(book: Book) -> list[str]:
 
 
 def check_page(book: Book, ch: Chapter) -> list[str]:
-    """Property 5: the tree block equals `steps.py tree N`; python blocks are includes."""
+    """Property 5: the tree block equals `steps.py tree N`; python blocks are includes;
+    count markers hold their tree's numbers."""
     try:
         lines = pages.read_lines(book, ch.page)
     except StepsError as exc:
@@ -80,6 +81,12 @@ def check_page(book: Book, ch: Chapter) -> list[str]:
             )
     except StepsError as exc:
         problems.append(f"{ch.page}: {exc}")
+    filled, bad = pages.fill_counts(book, lines)
+    problems += [f"{ch.page}: {x}" for x in bad]
+    for i, (line, fresh) in enumerate(zip(lines, filled)):
+        if line != fresh:
+            problems.append(f"{ch.page}:{i + 1}: a count marker is stale (the tree says: "
+                            f"{fresh.strip()[:160]}); run `steps.py pages {ch.number}`")
     for fence in pages.find_fences(lines):
         where = f"{ch.page}:{fence.start + 1}"
         if fence.end == len(lines):

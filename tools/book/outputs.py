@@ -21,7 +21,14 @@ from pathlib import Path
 
 from book.manifest import Book, Chapter, Output, StepsError
 from book.mutate import load_mutants
-from book.pages import Fence, find_output_markers, find_tree_block, read_lines, tree_block
+from book.pages import (
+    Fence,
+    fill_counts,
+    find_output_markers,
+    find_tree_block,
+    read_lines,
+    tree_block,
+)
 from book.sandbox import RunResult, run_command, sandbox
 
 STEPS = Path(__file__).resolve().parents[1] / "steps.py"
@@ -239,7 +246,8 @@ def fresh_block(book: Book, ch: Chapter, b: Block, runner: Runner, force: bool) 
 
 def regenerate(book: Book, chapters: list[Chapter], timeout: float, force: bool) -> bool:
     """`steps.py pages`: rewrite each chapter's tree block and its output blocks, on whatever
-    page they sit; False when some output could not be made."""
+    page they sit, and the count markers of its page; False when some output or count could
+    not be made."""
     edits: dict[str, list[tuple[int, int, list[str]]]] = {}  # page -> replace lines[a:b]
     blocks, ok = find_blocks(book), True
     for ch in chapters:
@@ -265,6 +273,11 @@ def regenerate(book: Book, chapters: list[Chapter], timeout: float, force: bool)
         lines = read_lines(book, page)
         for start, stop, new in sorted(changes, reverse=True):
             lines[start:stop] = new
+        if page in {ch.page for ch in chapters}:
+            lines, bad = fill_counts(book, lines)
+            for problem in bad:
+                print(f"{page}: {problem}", file=sys.stderr)
+                ok = False
         (book.root / page).write_text("\n".join(lines), encoding="utf-8")
     return ok
 

@@ -1,7 +1,11 @@
-"""The Markdown side of the book: fences, include lines, the tree block, output markers (chapter 0).
+"""The Markdown side of the book: fences, include lines, the tree block, output markers and
+count markers (chapter 0).
 
 A page shows code only through include lines (`--8<-- "N:path#name"`, expanded by
 tools/mkdocs_hooks.py) and shows tree N between `<!-- tree: begin -->` and `<!-- tree: end -->`.
+A number that describes a tree is written `<!-- n: KIND N:path -->VALUE<!-- /n -->` (KIND `lines`:
+the file's lines; `nonblank`: those with text; `tests`: its test functions), so `steps.py pages` writes VALUE and `check` fails
+when it is stale.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ OUTPUT_RE = re.compile(r"^\s*<!--\s*output:\s*(\S+?)\s*-->\s*$")
 INCLUDE_RE = re.compile(r'^(\s*)--8<--\s+"([^"]*)"\s*$')
 INCLUDE_SPEC_RE = re.compile(r"(repo|\d+):([^#]+?)(?:#([\w.]+)|:(\d+):(\d+))?")
 FENCE_RE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
+COUNT_RE = re.compile(r"<!-- n: (\w+) (\d+):(\S+) -->([^<]*)<!-- /n -->")
+COUNT_KINDS = ("lines", "nonblank", "tests")
 
 
 def read_lines(book: Book, page: str) -> list[str]:
@@ -207,3 +213,46 @@ def find_output_markers(lines: list[str]) -> list[tuple[str, int, Fence | None]]
         fence = starts.get(j)
         markers.append((m[1], i, fence if fence is not None and fence.info == "text" else None))
     return markers
+
+
+# ---------------------------------------------------------------------------- count markers
+
+
+def count_value(book: Book, kind: str, number: int, rel: str) -> str:
+    """What a count marker stands for, written as the pages write numbers (1,234)."""
+    if kind not in COUNT_KINDS:
+        raise StepsError(f"unknown count `{kind}` (known: {', '.join(COUNT_KINDS)})")
+    f = book.get(number).file(rel)
+    if f is None:
+        raise StepsError(f"tree {number} has no {rel} (see `steps.py tree {number}`)")
+    text = book.content(book.get(number), f).decode("utf-8", "replace")
+    if kind in ("lines", "nonblank"):
+        rows = text.splitlines()
+        return f"{len(rows if kind == 'lines' else [r for r in rows if r.strip()]):,}"
+    try:
+        nodes = list(ast.walk(ast.parse(text)))
+    except SyntaxError as exc:
+        raise StepsError(f"tree {number}: {rel}: cannot parse: {exc}") from None
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return f"{sum(isinstance(n, kinds) and n.name.startswith('test_') for n in nodes):,}"
+
+
+def fill_counts(book: Book, lines: list[str]) -> tuple[list[str], list[str]]:
+    """The lines with every count marker outside fences set to its value, and the problems
+    (`line L: ...`) of the markers that name no file or no known count."""
+    inside = {i for f in find_fences(lines) for i in range(f.start, f.end + 1)}
+    out, problems = list(lines), []
+    for i, line in enumerate(lines):
+        if i in inside or "<!-- n:" not in line:
+            continue
+
+        def value(m: re.Match[str], i: int = i) -> str:
+            try:
+                got = count_value(book, m[1], int(m[2]), m[3])
+            except StepsError as exc:
+                problems.append(f"line {i + 1}: {exc}")
+                return m[0]
+            return f"<!-- n: {m[1]} {m[2]}:{m[3]} -->{got}<!-- /n -->"
+
+        out[i] = COUNT_RE.sub(value, line)
+    return out, problems
