@@ -4,8 +4,8 @@ count markers (chapter 0).
 A page shows code only through include lines (`--8<-- "N:path#name"`, expanded by
 tools/mkdocs_hooks.py) and shows tree N between `<!-- tree: begin -->` and `<!-- tree: end -->`.
 A number that describes a tree is written `<!-- n: KIND N:path -->VALUE<!-- /n -->` (KIND `lines`:
-the file's lines; `nonblank`: those with text; `tests`: its test functions), so `steps.py pages` writes VALUE and `check` fails
-when it is stale.
+the file's lines; `nonblank`: those with text; `tests`: its test functions), so `steps.py pages`
+writes VALUE and `check` fails when it is stale.
 """
 
 from __future__ import annotations
