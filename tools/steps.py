@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.choices["check"].add_argument(
         "--no-run", action="store_true", help="skip what needs running (properties 2, 3, 6, 7)"
     )
+    sub.choices["check"].add_argument(
+        "--jobs", type=int, default=1, metavar="J", help="chapters checked at once (default 1)"
+    )
     return parser.parse_args(argv)
 
 
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "run":
             return run_main(book, args.n, args.args, args.timeout)
         elif args.command == "check":
-            return check(book, args.n, not args.no_run, args.timeout)
+            return check(book, args.n, not args.no_run, args.timeout, args.jobs)
         elif args.command == "pages":
             if args.index or not args.n:
                 write_index(book)

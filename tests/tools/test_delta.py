@@ -87,8 +87,11 @@ def test_tree_label_pads_the_number() -> None:
 
 def test_encode_writes_the_standard_format() -> None:
     old, new = "a\nb\nc\nd\n", "a\nB\nc\nd\n"
-    assert encode_delta(3, {"x.py": (old, new, "repo/x.py")}) == (
+    assert encode_delta(3, {"x.py": (old, new, "repo/x.py")}, context=1) == (
         "--- tree03/x.py\n+++ repo/x.py\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
+    )
+    assert encode_delta(3, {"x.py": (old, new, "repo/x.py")}) == (  # record's: no context
+        "--- tree03/x.py\n+++ repo/x.py\n@@ -2 +2 @@\n-b\n+B\n"
     )
     one = encode_delta(3, {"x.py": ("a\n", "b\n", "tree04/x.py")})
     assert one == "--- tree03/x.py\n+++ tree04/x.py\n@@ -1 +1 @@\n-a\n+b\n"
@@ -162,7 +165,7 @@ def test_missing_final_newline_survives(old: str, new: str) -> None:
 
 def test_no_newline_marker_is_written_after_the_line() -> None:
     text = encode_delta(3, {"a.py": ("a\nb", "a\nb\n", "tree04/a.py")})
-    assert text.endswith("@@ -1,2 +1,2 @@\n a\n-b\n\\ No newline at end of file\n+b\n")
+    assert text.endswith("@@ -2 +2 @@\n-b\n\\ No newline at end of file\n+b\n")
 
 
 @pytest.mark.parametrize(
@@ -272,6 +275,21 @@ def test_random_round_trips(seed: int) -> None:
         label = DEV_NULL if not new and rng.random() < 0.5 else "tree04/a.py"
         text = round_trip(old, new, label, context)
         assert encode_delta(3, {"a.py": (old, new, label)}, context) == text  # deterministic
+        if new and old != new:  # every hunk has a line of the successor to check against
+            hunks = parse_delta(text, PATCH)["a.py"].hunks
+            assert all(h.new_lines() for h in hunks), text
+
+
+def test_context_0_keeps_an_anchor_only_where_a_hunk_has_no_successor_line() -> None:
+    old = lines_text(30)
+    new = old.replace("line 5\n", "line five\n").replace("line 20\n", "")
+    text = encode_delta(3, {"a.py": (old, new, "tree04/a.py")}, context=0)
+    assert [h.header for h in parse_delta(text, PATCH)["a.py"].hunks] == [
+        "@@ -5 +5 @@",  # a replacement: its + line is the anchor, no context
+        "@@ -19,2 +19 @@",  # tree N's extra line 20 keeps line 19 before it
+    ]
+    top = encode_delta(3, {"a.py": ("extra\n" + old, old, "tree04/a.py")}, context=0)
+    assert parse_delta(top, PATCH)["a.py"].hunks[0].header == "@@ -1,2 +1 @@"  # the line after
 
 
 # ---------------------------------------------------------------------------- stale deltas
@@ -318,8 +336,14 @@ def test_stale_hunk_that_ends_a_file_without_a_final_newline() -> None:
 
 
 def test_stale_pure_insertion_past_the_end_fails() -> None:
-    fd = section(lines_text(6), lines_text(5), context=0)
-    assert [h.header for h in fd.hunks] == ["@@ -6 +5,0 @@"]
+    # record anchors such a hunk on the line before it; a patch written without one still
+    # parses, and applying it to a shorter successor fails
+    assert [h.header for h in section(lines_text(6), lines_text(5), context=0).hunks] == [
+        "@@ -5,2 +5 @@"
+    ]
+    text = "--- tree03/a.py\n+++ tree04/a.py\n@@ -6 +5,0 @@\n-line 6\n"
+    fd = parse_delta(text, PATCH)["a.py"]
+    assert rebuild(fd, lines_text(5)) == lines_text(6)
     with pytest.raises(DeltaError, match=r"starts after line 5, but the successor has 3 lines"):
         rebuild(fd, lines_text(3))
 
@@ -492,11 +516,11 @@ def test_a_rename_is_written_the_way_git_writes_one() -> None:
     old = lines_text(20)
     new = old.replace("line 1\n", "moved line 1\n")
     text = encode_delta(3, {"a.py": (old, new, "tree04/pkg/b.py")})
-    assert text == MOVED + "@@ -1,2 +1,2 @@\n-line 1\n+moved line 1\n line 2\n"
+    assert text == MOVED + "@@ -1 +1 @@\n-line 1\n+moved line 1\n"
     fd = parse_delta(text, PATCH)["a.py"]
     assert (fd.rename, fd.old_label, fd.new_label) == ("pkg/b.py", "tree03/a.py", "tree04/pkg/b.py")
     assert rebuild(fd, new) == old
-    assert section_length("a.py", old, new, "tree04/pkg/b.py") == text.count("\n") == 8
+    assert section_length("a.py", old, new, "tree04/pkg/b.py") == text.count("\n") == 7
 
 
 def test_a_file_moved_unchanged_is_a_rename_without_hunks() -> None:
@@ -574,8 +598,8 @@ def test_a_stale_rename_fails_like_any_hunk() -> None:
     old = lines_text(20)
     new = old.replace("line 10\n", "line ten\n")
     fd = parse_delta(encode_delta(3, {"a.py": (old, new, "tree04/pkg/b.py")}), PATCH)["a.py"]
-    edited = new.replace("line 11\n", "an edit nobody recorded\n")
-    stale = r"hunk 1 \(@@ -9,3 \+9,3 @@\) does not fit tree04/pkg/b\.py: at line 11"
+    edited = new.replace("line ten\n", "an edit nobody recorded\n")
+    stale = r"hunk 1 \(@@ -10 \+10 @@\) does not fit tree04/pkg/b\.py: at line 10"
     with pytest.raises(DeltaError, match=stale):
         apply_reverse(edited, fd.hunks, patch=PATCH, path="a.py", successor=fd.new_label)
 
@@ -597,11 +621,11 @@ def test_find_renames_takes_a_rename_only_when_it_is_shorter() -> None:
     # Half the file changed: the rename (4 header lines, a hunk) is not shorter than old whole.
     half = "line 1\nline 2\nnew 3\nnew 4\nnew 5\n"
     plain = section_length("a.py", old, "", DEV_NULL)
-    assert section_length("a.py", old, half, "tree04/b.py") == 11 > plain == 7
+    assert section_length("a.py", old, half, "tree04/b.py") == 10 > plain == 7
     assert find_renames(gone("a.py", old), {"b.py": half}, 4) == {}
     # The live copy is the same: no section at all, so no rename, even to an identical file.
     assert find_renames({"a.py": (old, old, "repo/a.py")}, {"b.py": old}, 4) == {}
-    # The live copy needs a 6-line section, the identical new file a 4-line rename.
+    # The live copy needs a 5-line section, the identical new file a 4-line rename.
     live = {"a.py": (old, old.replace("line 4", "line four"), "repo/a.py")}
     assert find_renames(live, {"b.py": old}, 4) == {"a.py": "b.py"}
     # A tiny file never pays for the rename header.

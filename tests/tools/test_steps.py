@@ -183,6 +183,17 @@ def steps_cmd(root: Path, *args: str, env: dict[str, str] | None = None):
     )
 
 
+def verdicts(stdout: str) -> dict[str, list[str]]:
+    """{chapter header line: its verdict lines, timings masked}, in the order `check` printed."""
+    found: dict[str, list[str]] = {}
+    for line in stdout.splitlines():
+        if line.startswith("chapter "):
+            found[line] = []
+        elif line.startswith("  [") and found:
+            found[list(found)[-1]].append(outputs.mask(line))
+    return found
+
+
 def failures(stdout: str) -> set[tuple[int, int]]:
     """The (chapter, property) pairs that `check` reported as FAIL."""
     found, chapter = set(), -1
@@ -260,6 +271,19 @@ def test_healthy_book_passes_every_property(repo: Path) -> None:
     assert "summary: 15 ok, 0 failed, 0 skipped" in done.stdout
     page1 = (repo / "docs/ch01-b.md").read_text(encoding="utf-8")
     assert "CHAPTER 1 RUNS\ntook " in page1 and "repo ok" in page1  # pages inserted the blocks
+
+
+def test_jobs_check_chapters_at_once_with_the_same_verdicts(repo: Path) -> None:
+    serial = steps_cmd(repo, "check")
+    both = steps_cmd(repo, "check", "--jobs", "2")
+    assert both.returncode == 0, both.stdout + both.stderr
+    assert verdicts(both.stdout) == verdicts(serial.stdout)
+    assert sorted(len(v) for v in verdicts(both.stdout).values()) == [8, 8]
+    assert "summary: 15 ok, 0 failed, 0 skipped" in both.stdout
+    # A failure in one chapter is reported under that chapter and fails the run.
+    edit(repo, "chapters/ch00_a/main.py", "import naive\n", "import naive\nimport minisgl.core\n")
+    assert steps_cmd(repo, "record", "0").returncode == 0
+    check_fails(repo, "--jobs", "2", expect={(0, 2), (0, 6)}, message="minisgl.core is not in")
 
 
 def test_pages_filled_in_the_blocks(repo: Path) -> None:
@@ -377,7 +401,7 @@ def test_f_a_stale_delta_fails_to_materialise(repo: Path) -> None:
         repo,
         "--no-run",
         expect={(0, 1), (1, 5), (1, 8)},  # tree 1's block needs tree 0 to say what changed
-        message="hunk 1 (@@ -1,2 +1,3 @@) does not fit tree01/minisgl/util.py",
+        message="hunk 1 (@@ -1,0 +2 @@) does not fit tree01/minisgl/util.py",
     )
 
 
@@ -885,11 +909,10 @@ def test_record_stores_a_moved_file_as_a_rename(repo: Path, tmp_path: Path) -> N
         "rename to minisgl/text.py\n"
         "--- tree00/minisgl/util.py\n"
         "+++ tree01/minisgl/text.py\n"
-        "@@ -1 +1,4 @@\n"
+        "@@ -0,0 +1,3 @@\n"
         '+"""Text helpers: util.py until chapter 1."""\n'
         "+\n"
         "+\n"
-        " def shout(text: str) -> str:\n"
     )
     assert len(patch.splitlines()) < len(LONG_UTIL.splitlines())  # shorter than the file whole
     assert steps_cmd(repo, "build", "0", str(tmp_path / "t0")).returncode == 0
@@ -908,7 +931,7 @@ def test_a_moved_file_edited_without_record_fails(repo: Path) -> None:
         repo,
         "--no-run",
         expect={(0, 1), (1, 8)},
-        message="hunk 1 (@@ -1 +1,4 @@) does not fit tree01/minisgl/text.py: at line 1",
+        message="hunk 1 (@@ -0,0 +1,3 @@) does not fit tree01/minisgl/text.py: at line 1",
     )
 
 

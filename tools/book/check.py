@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from book import pages
@@ -227,17 +228,24 @@ def page_report(book: Book, blocks: list[Block]) -> tuple[list[str], int, int]:
     return lines, warnings, failures
 
 
-def check(book: Book, numbers: list[int], run: bool, timeout: float) -> int:
-    """`steps.py check [N ...]`: print every verdict, the pages' sizes and a summary."""
+def check(book: Book, numbers: list[int], run: bool, timeout: float, jobs: int = 1) -> int:
+    """`steps.py check [N ...]`: print every verdict, the pages' sizes and a summary. With
+    `jobs` > 1 that many chapters are checked at once (newest, the slowest, first), and each
+    chapter's verdicts are printed when it is done."""
     chapters = [book.get(n) for n in numbers] if numbers else book.chapters
     if not chapters:
         print(f"no chapters: no chapters/chNN_slug/chapter.toml under {book.root}")
     counts = {"ok": 0, "FAIL": 0, "skipped": 0, "n/a": 0}
     blocks = find_blocks(book)
-    for ch in chapters:
-        print(f"chapter {ch.number} ({ch.folder.name}): {ch.title}", flush=True)
+
+    def timed(ch: Chapter) -> tuple[dict[int, Verdict], float]:
         began = time.perf_counter()
-        verdicts = check_chapter(book, ch, blocks, run, timeout)
+        return check_chapter(book, ch, blocks, run, timeout), time.perf_counter() - began
+
+    def header(ch: Chapter) -> None:
+        print(f"chapter {ch.number} ({ch.folder.name}): {ch.title}", flush=True)
+
+    def report(ch: Chapter, verdicts: dict[int, Verdict], seconds: float) -> None:
         for n in sorted(verdicts):
             status, details = verdicts[n]
             counts[status] += 1
@@ -248,7 +256,18 @@ def check(book: Book, numbers: list[int], run: bool, timeout: float) -> int:
                     head = " " * (len(head) - 4) + "FAIL"
             else:
                 print(head + (f" ({details[0]})" if details and details[0] else ""))
-        print(f"  checked in {time.perf_counter() - began:.0f} s", flush=True)
+        print(f"  checked in {seconds:.0f} s", flush=True)
+
+    if jobs <= 1:
+        for ch in chapters:
+            header(ch)
+            report(ch, *timed(ch))
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:  # the work is in subprocesses
+            futures = {pool.submit(timed, ch): ch for ch in reversed(chapters)}
+            for future in as_completed(futures):
+                header(futures[future])
+                report(futures[future], *future.result())
     lines, warnings, page_failures = page_report(book, blocks)
     index_problems = check_index(book)
     page_failures += len(index_problems)

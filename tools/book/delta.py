@@ -28,6 +28,7 @@ from pathlib import Path
 DEV_NULL = "/dev/null"
 NO_NEWLINE = "\\ No newline at end of file"
 RECORD_HINT = "run `steps.py record`"
+CONTEXT = 0  # lines of context `record` writes around a hunk (see encode_delta)
 
 _NUM = "(0|[1-9][0-9]*)"
 _HUNK_RE = re.compile(rf"@@ -{_NUM}(?:,{_NUM})? \+{_NUM}(?:,{_NUM})? @@")
@@ -112,13 +113,20 @@ def split_lines(text: str) -> list[str]:
 # ---------------------------------------------------------------------------- writing
 
 
-def encode_delta(n: int, files: Mapping[str, tuple[str, str, str]], context: int = 1) -> str:
+def encode_delta(
+    n: int, files: Mapping[str, tuple[str, str, str]], context: int = CONTEXT
+) -> str:
     """The patch text of chapter `n` from {path: (tree N text, successor text, `+++` label)}.
 
     Sections come in path order. A file equal to its successor gets no section, except when
     the label is /dev/null (the successor text must then be empty): that section holds the
     whole file, and no hunks at all when the file is empty; or when the label is a tree label
     of another path: that section is a rename, and has no hunks when the texts are equal.
+
+    `context` lines stand around each hunk. With 0 a hunk holds only what differs, except a
+    hunk with no line of the successor (tree N has lines its successor lacks): it keeps the
+    line before it (after it at the top of a file), so every hunk is checked against the
+    successor it is applied to.
     """
     if context < 0:
         raise ValueError(f"context must be 0 or more, not {context}")
@@ -143,13 +151,16 @@ def encode_delta(n: int, files: Mapping[str, tuple[str, str, str]], context: int
     return "".join(out)
 
 
-def section_length(path: str, old: str, new: str, label: str, context: int = 1) -> int:
+def section_length(path: str, old: str, new: str, label: str, context: int = CONTEXT) -> int:
     """How many lines `encode_delta` writes for this one file (0 when it writes no section)."""
     return encode_delta(0, {path: (old, new, label)}, context).count("\n")
 
 
 def find_renames(
-    gone: Mapping[str, tuple[str, str, str]], added: Mapping[str, str], n: int, context: int = 1
+    gone: Mapping[str, tuple[str, str, str]],
+    added: Mapping[str, str],
+    n: int,
+    context: int = CONTEXT,
 ) -> dict[str, str]:
     """{old path: new path}: the files of tree N that tree `n` (its successor) lacks, paired
     with files new in tree `n`, where storing the file as a rename is shorter.
@@ -180,11 +191,24 @@ def find_renames(
     return pairs
 
 
+def _anchored(group: list[tuple[str, int, int, int, int]]) -> list[tuple[str, int, int, int, int]]:
+    """A one-line-context group with its edge context dropped, except one line where the
+    hunk would otherwise hold no line of the successor to be checked against."""
+    core = group[1 if group[0][0] == "equal" else 0 : -1 if group[-1][0] == "equal" else None]
+    if any(j2 > j1 for _, _, _, j1, j2 in core):
+        return core
+    if group[0][0] == "equal":
+        return group[:1] + core
+    return core + group[-1:] if group[-1][0] == "equal" else core  # else the successor is empty
+
+
 def _encode_hunks(old: list[str], new: list[str], context: int) -> list[str]:
-    """The hunks from `old` to `new`, as patch lines each ending in "\\n"."""
+    """The hunks from `old` to `new`, as patch lines each ending in "\\n". Context 0 keeps
+    one line around a hunk that would otherwise have no successor line (see `encode_delta`)."""
     out: list[str] = []
     matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
-    for group in matcher.get_grouped_opcodes(context):
+    for group in matcher.get_grouped_opcodes(max(context, 1)):
+        group = _anchored(group) if context == 0 else group
         i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
         out.append(f"@@ -{_format_range(i1, i2)} +{_format_range(j1, j2)} @@\n")
         for tag, k1, k2, m1, m2 in group:
