@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -10,6 +11,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 LOGIT_TOL = 1e-3  # max |Δlogit| allowed in float32 at every decode step
 MIN_DISTINCT = 6  # 16 greedy tokens must hold this many distinct ids
+
+
+def require_model(path: Path) -> Path:
+    """`path` when it holds a model; else exit saying how to download it (the mains use this)."""
+    if not (path / "config.json").is_file():
+        sys.exit(f"{path} is missing: run `python tools/models.py smollm2` in the repository root")
+    return path
 
 
 @lru_cache(maxsize=4)

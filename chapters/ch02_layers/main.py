@@ -3,11 +3,10 @@
 import sys
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from minisgl.core import Context, set_global_ctx
 
+sys.path.insert(0, "tests")  # the HF reference every test aligns to
+from reference import hf_greedy, hf_tokenizer, require_model
 from skeleton import LayeredModel, generate
 
 MODEL = Path("models/SmolLM2-135M-Instruct")
@@ -15,19 +14,12 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village by 
 
 
 def main() -> None:
-    if not (MODEL / "config.json").is_file():
-        sys.exit(f"{MODEL} is missing: run `python tools/models.py smollm2` in the repository root")
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    tokenizer = hf_tokenizer(require_model(MODEL))
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     set_global_ctx(Context(page_size=1))
     outputs = generate(LayeredModel(MODEL), prompts, max_tokens=16)
-
-    hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
     for text, ids, ours in zip(PROMPTS, prompts, outputs):
-        x = torch.tensor([ids])
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16,
-                          do_sample=False)[0, len(ids):].tolist()
+        ref, _ = hf_greedy(MODEL, ids, 16)
         print(f"{text!r} ({len(ids)} tokens) -> {tokenizer.decode(ours)!r}")
         print(f"  same 16 tokens as HF: {ours == ref}, distinct ids: {len(set(ours))}")
 

@@ -3,11 +3,10 @@
 import sys
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from minisgl.core import Context, get_global_ctx, set_global_ctx
 
+sys.path.insert(0, "tests")  # the HF reference every test aligns to
+from reference import hf_greedy, hf_tokenizer, require_model
 from skeleton import PagedBatcher, load_model
 
 MODEL = Path("models/SmolLM2-135M-Instruct")
@@ -15,17 +14,9 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village by 
 
 
 def main() -> None:
-    if not (MODEL / "config.json").is_file():
-        sys.exit(f"{MODEL} is missing: run `python tools/models.py smollm2` in the repository root")
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    tokenizer = hf_tokenizer(require_model(MODEL))
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    refs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        refs.append(hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16,
-                                do_sample=False)[0, len(ids):].tolist())
+    refs = [hf_greedy(MODEL, ids, 16)[0] for ids in prompts]
     for page_size in (1, 4):
         set_global_ctx(Context(page_size=page_size))
         model, config = load_model(MODEL)

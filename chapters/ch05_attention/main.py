@@ -3,11 +3,10 @@
 import sys
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from minisgl.core import Context, get_global_ctx, set_global_ctx
 
+sys.path.insert(0, "tests")  # the HF reference every test aligns to
+from reference import hf_greedy, hf_tokenizer, require_model
 from skeleton import PagedBatcher, load_model
 
 MODEL = Path("models/SmolLM2-135M-Instruct")
@@ -15,9 +14,7 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village by 
 
 
 def main() -> None:
-    if not (MODEL / "config.json").is_file():
-        sys.exit(f"{MODEL} is missing: run `python tools/models.py smollm2` in the repository root")
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    tokenizer = hf_tokenizer(require_model(MODEL))
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     set_global_ctx(Context(page_size=4))
     ctx = get_global_ctx()
@@ -27,12 +24,8 @@ def main() -> None:
 
     # 1. generation through the backend, checked against HF
     outputs = batcher.generate(model, prompts, max_tokens=16)
-    hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
     for ids, out in zip(prompts, outputs):
-        x = torch.tensor([ids])
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16,
-                          do_sample=False)[0, len(ids):].tolist()
+        ref, _ = hf_greedy(MODEL, ids, 16)
         print(f"{tokenizer.decode(out)!r}: same as HF {out == ref}")
 
     # 2. a prefill that attends to a cached prefix: the second half of the prompt is computed

@@ -4,11 +4,12 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig
 
+sys.path.insert(0, "tests")  # the HF reference every test aligns to
+from reference import hf_greedy, hf_tokenizer, require_model
 from skeleton import HandBatcher
 
 MODEL = Path("models/SmolLM2-135M-Instruct")
@@ -21,9 +22,7 @@ PROMPTS = [
 
 
 def main() -> None:
-    if not (MODEL / "config.json").is_file():
-        sys.exit(f"{MODEL} is missing: run `python tools/models.py smollm2` in the repository root")
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    tokenizer = hf_tokenizer(require_model(MODEL))
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
 
@@ -34,13 +33,8 @@ def main() -> None:
     together = HandBatcher(engine).generate(prompts, greedy)
     alone = [HandBatcher(engine).generate([p], greedy)[0] for p in prompts]
     engine.shutdown()
-
-    hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
     for text, ids, batched, solo in zip(PROMPTS, prompts, together, alone):
-        x = torch.tensor([ids])
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16,
-                          do_sample=False)[0, len(ids):].tolist()
+        ref, _ = hf_greedy(MODEL, ids, 16)
         print(f"{text!r} ({len(ids)} tokens) -> {tokenizer.decode(batched)!r}")
         print(f"  batch == alone: {batched == solo}, batch == HF: {batched == ref}, "
               f"distinct ids: {len(set(batched))}")

@@ -5,11 +5,11 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
-
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
+
+sys.path.insert(0, "tests")  # the HF reference every test aligns to
+from reference import hf_greedy, require_model
 
 MODEL = Path("models/SmolLM2-135M-Instruct")
 PROMPTS = [
@@ -24,8 +24,7 @@ MAX_TOKENS = [12, 4, 8, 16, 6, 10]  # different lengths: requests leave at diffe
 
 
 def main() -> None:
-    if not (MODEL / "config.json").is_file():
-        sys.exit(f"{MODEL} is missing: run `python tools/models.py smollm2` in the repository root")
+    require_model(MODEL)
     # the scheduler logs every batch it builds: phase, then uid+new tokens of each request
     logging.basicConfig(format="%(message)s", stream=sys.stdout)  # the batch log, in order
     logging.getLogger("minisgl.scheduler").setLevel(logging.DEBUG)
@@ -36,13 +35,8 @@ def main() -> None:
     print(f"stats: {llm.stats}")
     tokenizer = llm.tokenizer
     llm.shutdown()
-
-    hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
     for uid, (text, out, n) in enumerate(zip(PROMPTS, outputs, MAX_TOKENS)):
-        x = torch.tensor([tokenizer.encode(text)])
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                          do_sample=False)[0, x.shape[1]:].tolist()
+        ref, _ = hf_greedy(MODEL, tokenizer.encode(text), n)
         print(f"uid {uid}: {text!r} -> {out['text']!r}")
         print(f"  {len(out['token_ids'])} tokens, same as HF: {out['token_ids'] == ref}")
 

@@ -5,11 +5,11 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
-
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
+
+sys.path.insert(0, "tests")  # the HF reference every test aligns to
+from reference import hf_greedy, require_model
 
 MODEL = Path("models/SmolLM2-135M-Instruct")
 PROMPTS = [
@@ -24,8 +24,7 @@ PROMPTS = [
 
 
 def main() -> None:
-    if not (MODEL / "config.json").is_file():
-        sys.exit(f"{MODEL} is missing: run `python tools/models.py smollm2` in the repository root")
+    require_model(MODEL)
     logging.basicConfig(format="%(message)s", stream=sys.stdout)  # the batch log, in order
     log = logging.getLogger("minisgl.scheduler")
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -39,14 +38,10 @@ def main() -> None:
         tokenizer = llm.tokenizer
         llm.shutdown()
     log.setLevel(logging.WARNING)
-
-    hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
     for text, chunked, whole in zip(PROMPTS, results[48], results[8192]):
-        x = torch.tensor([tokenizer.encode(text)])
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12,
-                          do_sample=False)[0, x.shape[1]:].tolist()
-        print(f"{x.shape[1]} prompt tokens -> {tokenizer.decode(chunked)!r}")
+        ids = tokenizer.encode(text)
+        ref, _ = hf_greedy(MODEL, ids, 12)
+        print(f"{len(ids)} prompt tokens -> {tokenizer.decode(chunked)!r}")
         print(f"  chunked == whole: {chunked == whole}, == HF: {chunked == ref}")
 
 
