@@ -1,5 +1,7 @@
 # The reader's commands: `make quickstart` shows the main result, `make test` runs what CI runs.
 # Both set up .venv first (once per change of constraints.txt / pyproject.toml) and are idempotent.
+# `make test` keeps two processes of tests and two chapters of `steps.py check` going at once:
+# most of their work is in subprocesses, and the CI machine has two cores.
 # TORCH_INDEX=<url> picks another wheel index for torch on machines without a CUDA GPU.
 SHELL := /bin/bash
 VENV := .venv
@@ -16,7 +18,7 @@ quickstart: $(STAMP)
 test: $(STAMP)
 	$(PY) tools/models.py tiny
 	$(PY) tools/models.py smollm2
-	ruff check . && mypy && time python -m pytest -q --durations=10 && time python tools/steps.py check && mkdocs build --strict
+	ruff check . && mypy && time python -m pytest -q -n 2 --durations=10 && time python tools/steps.py check --jobs 2 && mkdocs build --strict
 
 docs: $(STAMP)
 	mkdocs serve
