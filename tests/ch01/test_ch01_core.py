@@ -9,6 +9,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from helpers import global_ctx
 
 from minisgl.core import (
     Batch,
@@ -38,12 +39,8 @@ def make_req(n: int = 4, cached: int = 0, output_len: int = 3, uid: int = 0) -> 
 @pytest.fixture
 def ctx() -> Iterator[Context]:
     """A fresh global Context for one test, always removed again."""
-    context = Context(page_size=1)
-    set_global_ctx(context)
-    try:
+    with global_ctx(page_size=1) as context:
         yield context
-    finally:
-        set_global_ctx(None)
 
 
 # ----------------------------------------------------------------------------- SamplingParams

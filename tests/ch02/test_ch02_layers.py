@@ -7,10 +7,11 @@ from types import ModuleType
 
 import pytest
 import torch
+from helpers import global_ctx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minisgl.core import Batch, Context, Req, SamplingParams, get_global_ctx, set_global_ctx
+from minisgl.core import Batch, Context, Req, SamplingParams, get_global_ctx
 from minisgl.kernel import (
     apply_rope,
     embedding,
@@ -64,12 +65,8 @@ def make_req(n: int, cached: int = 0, uid: int = 0) -> Req:
 @pytest.fixture
 def ctx() -> Iterator[Context]:
     """A fresh global Context for one test, always removed again."""
-    context = Context(page_size=1)
-    set_global_ctx(context)
-    try:
+    with global_ctx(page_size=1) as context:
         yield context
-    finally:
-        set_global_ctx(None)
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import Recorder
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -300,19 +301,6 @@ def test_load_state_dict_complains_about_leftovers_and_gaps(model_dir) -> None:
 
 
 # --- end to end -------------------------------------------------------------------------------
-
-class Recorder:
-    """Stands in for the model in skeleton.generate and keeps the logits of every step."""
-
-    def __init__(self, model: BaseLLMModel) -> None:
-        self.model = model
-        self.logits: list[torch.Tensor] = []
-
-    def forward(self) -> torch.Tensor:
-        out = self.model.forward()
-        self.logits.append(out.clone())
-        return out
-
 
 def generate(model: BaseLLMModel, prompts: list[list[int]],
              n: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:

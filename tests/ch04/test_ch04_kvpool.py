@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import Recorder, global_ctx, hf_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minisgl.core import Context, Req, get_global_ctx, set_global_ctx
+from minisgl.core import Req, get_global_ctx
 from minisgl.kvcache import BaseKVCachePool, MHAKVCache, create_kvcache_pool
-from minisgl.models import BaseLLMModel, ModelConfig
+from minisgl.models import ModelConfig
 
 from conftest import chapter_module
-from reference import assert_aligned, hf_greedy, hf_tokenizer
+from reference import assert_aligned, hf_tokenizer
 
 skeleton = chapter_module("ch04_kvpool", "skeleton")
 
@@ -34,16 +31,6 @@ def small_config(layers: int = 3, kv_heads: int = 2, head_dim: int = 8) -> Model
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6,
         "max_position_embeddings": 128,
     })
-
-
-@contextmanager
-def global_ctx(page_size: int) -> Iterator[Context]:
-    """A global Context for the duration of the block; always removed afterwards."""
-    set_global_ctx(Context(page_size=page_size))
-    try:
-        yield get_global_ctx()
-    finally:
-        set_global_ctx(None)
 
 
 # --- the pool ---------------------------------------------------------------------------------
@@ -163,24 +150,6 @@ def check_placement(batcher: Any, live: list[Req], placed: dict[int, list[int]],
 
 
 # --- end to end -------------------------------------------------------------------------------
-
-class Recorder:
-    """Stands in for the model in PagedBatcher.generate and keeps every step's logits."""
-
-    def __init__(self, model: BaseLLMModel) -> None:
-        self.model = model
-        self.logits: list[torch.Tensor] = []
-
-    def forward(self) -> torch.Tensor:
-        out = self.model.forward()
-        self.logits.append(out.clone())
-        return out
-
-
-@cache
-def hf_reference(path: Path, prompt: tuple[int, ...]) -> tuple[list[int], list[torch.Tensor]]:
-    return hf_greedy(path, list(prompt), 16)
-
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("name", TINY)

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import Recorder, global_ctx, hf_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,15 +18,15 @@ from minisgl.attention import (
     resolve_backend_name,
 )
 from minisgl.attention.torch_backend import TorchBackend, TorchMetadata
-from minisgl.core import Batch, Context, Req, SamplingParams, get_global_ctx, set_global_ctx
+from minisgl.core import Batch, Req, SamplingParams, get_global_ctx
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.layers import RotaryEmbedding
 from minisgl.layers.attention import AttentionLayer
-from minisgl.models import BaseLLMModel, ModelConfig
+from minisgl.models import ModelConfig
 from minisgl.utils.registry import Registry
 
 from conftest import chapter_module
-from reference import assert_aligned, hf_greedy, hf_tokenizer
+from reference import assert_aligned, hf_tokenizer
 
 skeleton = chapter_module("ch05_attention", "skeleton")
 
@@ -45,16 +42,6 @@ def small_config(heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6,
         "max_position_embeddings": 256,
     })
-
-
-@contextmanager
-def global_ctx(page_size: int) -> Iterator[Context]:
-    """A global Context for the duration of the block; always removed afterwards."""
-    set_global_ctx(Context(page_size=page_size))
-    try:
-        yield get_global_ctx()
-    finally:
-        set_global_ctx(None)
 
 
 # --- TorchBackend against an independent float64 attention ------------------------------------
@@ -310,24 +297,6 @@ def test_attention_layer_stores_kv_before_the_backend_reads() -> None:
 
 
 # --- models -----------------------------------------------------------------------------------
-
-class Recorder:
-    """Stands in for the model in PagedBatcher.generate and keeps every step's logits."""
-
-    def __init__(self, model: BaseLLMModel) -> None:
-        self.model = model
-        self.logits: list[torch.Tensor] = []
-
-    def forward(self) -> torch.Tensor:
-        out = self.model.forward()
-        self.logits.append(out.clone())
-        return out
-
-
-@cache
-def hf_reference(path: Path, prompt: tuple[int, ...]) -> tuple[list[int], list[torch.Tensor]]:
-    return hf_greedy(path, list(prompt), 16)
-
 
 @pytest.mark.parametrize("name", TINY)
 def test_torch_backend_generation_equals_hf(name: str, model_dir) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from helpers import batches
 
 from minisgl.core import SamplingParams
 
@@ -13,16 +14,6 @@ from reference import hf_greedy, hf_tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three prime numbers:",
            "Once upon a time, in a small village by the sea,", "Water boils at"]
-
-
-def batches(caplog) -> list[tuple[str, list[int]]]:
-    """(phase, uids) of every batch the scheduler logged."""
-    out = []
-    for record in caplog.records:
-        if record.name == "minisgl.scheduler.scheduler" and record.levelno == logging.DEBUG:
-            phase, *reqs = record.getMessage().split()
-            out.append((phase, [int(r.split("+")[0]) for r in reqs]))
-    return out
 
 
 def test_too_long_prompt_is_refused_before_any_work(model_dir, make_llm) -> None:

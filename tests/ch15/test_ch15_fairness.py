@@ -7,22 +7,13 @@ from __future__ import annotations
 import logging
 
 import torch
+from helpers import batches
 
 from minisgl.core import SamplingParams
 
 from reference import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-
-
-def batches(caplog) -> list[tuple[str, list[int]]]:
-    """(phase, [uid, ...]) of every batch the scheduler logged."""
-    out = []
-    for record in caplog.records:
-        if record.name == "minisgl.scheduler.scheduler" and record.levelno == logging.DEBUG:
-            phase, *reqs = record.getMessage().split()
-            out.append((phase, [int(r.split("+")[0]) for r in reqs]))
-    return out
 
 
 def run(model_dir, make_llm, caplog, between: bool) -> list[tuple[str, list[int]]]:

@@ -86,19 +86,6 @@ def _cases() -> list[tuple[str, str, bytes, int]]:
 CASES = _cases()
 
 
-@pytest.fixture(scope="module")
-def model(model_dir: Callable[[str], Path]) -> Path:
-    return model_dir("tiny-qwen3")
-
-
-@pytest.fixture(scope="module")
-def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(model, tmp_path_factory.mktemp("hostile"))
-    s.wait_ready()
-    yield s
-    s.stop()
-
-
 def normal(s: Server, **headers: str) -> int:
     status, _ = s.request("POST", COMPLETIONS, {"prompt": [5, 6], "max_tokens": 1},
                           timeout=30, headers=headers)

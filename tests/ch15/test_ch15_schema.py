@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import pytest
 import schemathesis
 from schemathesis.engine import events, from_schema
 
@@ -163,15 +160,6 @@ def run(server: Server, stateful: bool = True, max_examples: int = MAX_EXAMPLES,
         schemathesis.hooks.unregister(before_call)
     result.seconds = time.monotonic() - start
     return result
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: Callable[[str], Path],
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(model_dir("tiny-qwen3"), tmp_path_factory.mktemp("server"))
-    s.wait_ready()
-    yield s
-    s.stop()
 
 
 def test_every_operation_conforms_to_its_schema(server: Server) -> None:

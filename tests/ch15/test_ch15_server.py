@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,25 +21,13 @@ from typing import Any
 import openai
 import psutil
 import pytest
+from helpers import assert_cleaned_up_after_kill, chat_answer, questions
 from transformers import AutoTokenizer
 
 from reference import hf_greedy
 from serving import MAX_SEQ_LEN, Server, gone
 
 CHAT = [{"role": "user", "content": "Count: one two three"}]
-
-
-@pytest.fixture(scope="module")
-def model(model_dir: Callable[[str], Path]) -> Path:
-    return model_dir("tiny-qwen3")
-
-
-@pytest.fixture(scope="module")
-def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(model, tmp_path_factory.mktemp("server"))
-    s.wait_ready()
-    yield s
-    s.stop()
 
 
 def sse_events(raw: bytes) -> list[str]:
@@ -168,23 +156,11 @@ def test_bad_input_gets_openai_errors_and_the_server_goes_on(server: Server) -> 
 # --- load and clients that go away ---------------------------------------------------------------
 
 def test_64_concurrent_streams_each_equal_its_solo_output(server: Server) -> None:
-    chats = [[{"role": "user", "content": f"Question {i}: {'xyz'[i % 3] * (i + 1)}?"}]
-             for i in range(16)]
-    client = server.client()
-
-    def answer(chat: list[dict[str, str]], stream: bool) -> str:
-        # chat, not completions: the SDK's strict Completion type refuses the finish_reason
-        # null that every streamed completion chunk but the last must carry
-        out = client.chat.completions.create(model="tiny", messages=chat, max_tokens=12,
-                                             temperature=0, stream=stream,
-                                             extra_body={"ignore_eos": True})
-        if not stream:
-            return out.choices[0].message.content
-        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
-
-    solo = [answer(c, False) for c in chats]
+    chats, client = questions(16), server.client()
+    solo = [chat_answer(client, c, False, 12) for c in chats]
     with ThreadPoolExecutor(64) as pool:
-        together = list(pool.map(lambda i: answer(chats[i % 16], True), range(64)))
+        together = list(pool.map(lambda i: chat_answer(client, chats[i % 16], True, 12),
+                                 range(64)))
     assert together == [solo[i % 16] for i in range(64)]
 
 
@@ -274,10 +250,7 @@ def test_a_dead_scheduler_stops_the_server_with_an_error(model: Path, tmp_path: 
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
-    pid = s.processes["scheduler"]
-    assert f"the scheduler process (pid {pid}) exited with code -9" in s.log.read_text()
-    assert gone(s.pids(), 5)
-    assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]
+    assert_cleaned_up_after_kill(s, "scheduler", tmp_path, 5)
 
 
 def test_shell_chats_with_history_reset_and_exit(model: Path, tmp_path: Path) -> None:

@@ -4,13 +4,12 @@ that does not divide."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_ranks
 
 from minisgl.distributed import (
     DistributedInfo,
@@ -34,40 +33,13 @@ def _collectives(rank: int, size: int, rendezvous: str, out: mp.Queue) -> None:
         destroy_distributed()
 
 
-def _get(out: mp.Queue, procs: list, timeout_s: float = 120) -> tuple:
-    """The next result, failing at once (not after the timeout) if a rank died."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return out.get(timeout=0.5)
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not dead, f"a rank failed: exit codes {[p.exitcode for p in procs]}"
-    raise AssertionError(f"no result in {timeout_s} s")
-
-
 def _run_ranks(target: Callable[..., None], size: int, tmp_path: Path, *args: object
                ) -> list[tuple]:
-    """target(rank, size, rendezvous, *args, out) on `size` real processes; their results, in
-    rank order. Every process is gone when this returns, whatever happened."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=target, args=(r, size, rendezvous, *args, out))
-             for r in range(size)]
-    try:
-        for p in procs:
-            p.start()
-        results = sorted(_get(out, procs) for _ in range(size))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert all(p.exitcode == 0 for p in procs)
-    return results
+    """target(rank, size, rendezvous, *args, out) on `size` real processes (run_ranks); their
+    results, in rank order, after every rank exited 0."""
+    results, exit_codes = run_ranks(target, size, tmp_path, *args)
+    assert exit_codes == [0] * size
+    return sorted(results)
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])  # 1: a group of one still goes through gloo

@@ -4,13 +4,12 @@ rank runs the same scheduler on the same prompts, so they step through the same 
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_ranks
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
@@ -38,7 +37,7 @@ def _generate(path: str, tp: DistributedInfo, rendezvous: str
         llm.shutdown()
 
 
-def _rank(path: str, rank: int, size: int, rendezvous: str, out: mp.Queue) -> None:
+def _rank(rank: int, size: int, rendezvous: str, path: str, out: mp.Queue) -> None:
     tokens, logits = _generate(path, DistributedInfo(rank, size), rendezvous)
     out.put((rank, tokens, [x.tolist() for x in logits]))  # plain data: the process ends
 
@@ -49,28 +48,7 @@ def _rank(path: str, rank: int, size: int, rendezvous: str, out: mp.Queue) -> No
 def test_tp_gives_hf_greedy_tokens(arch: str, size: int, tmp_path: Path,
                                    model_dir: Callable[[str], Path]) -> None:
     path = model_dir(arch)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_rank, args=(str(path), r, size, rendezvous, out))
-             for r in range(size)]
-    results = []
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 180
-        while len(results) < size and time.monotonic() < deadline:
-            try:
-                results.append(out.get(timeout=0.5))
-            except queue.Empty:
-                assert all(p.exitcode in (None, 0) for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert len(results) == size
+    results, _ = run_ranks(_rank, size, tmp_path, str(path), timeout_s=180)
     expected = [hf_greedy(path, p, 8)[0] for p in PROMPTS]
     _, one_rank_logits = _generate(str(path), DistributedInfo(0, 1), "")
     for _, tokens, logits in results:

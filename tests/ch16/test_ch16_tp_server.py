@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import assert_cleaned_up_after_kill, chat_answer, questions
 from transformers import AutoTokenizer
 
 from reference import hf_greedy
@@ -53,21 +54,11 @@ def test_four_processes_and_hf_greedy_tokens(tp2: Server, model: Path) -> None:
 
 
 def test_a_streamed_chat_and_concurrent_clients(tp2: Server) -> None:
-    chats = [[{"role": "user", "content": f"Question {i}: {'xyz'[i % 3] * (i + 1)}?"}]
-             for i in range(8)]
-    client = tp2.client()
-
-    def answer(chat: list[dict[str, str]], stream: bool) -> str:
-        out = client.chat.completions.create(model="tiny", messages=chat, max_tokens=10,
-                                             temperature=0, stream=stream,
-                                             extra_body={"ignore_eos": True})
-        if not stream:
-            return out.choices[0].message.content
-        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
-
-    solo = [answer(c, False) for c in chats]  # one request at a time
+    chats, client = questions(8), tp2.client()
+    solo = [chat_answer(client, c, False, 10) for c in chats]  # one request at a time
     with ThreadPoolExecutor(16) as pool:  # then together: the ranks must batch them alike
-        together = list(pool.map(lambda i: answer(chats[i % 8], True), range(16)))
+        together = list(pool.map(lambda i: chat_answer(client, chats[i % 8], True, 10),
+                                 range(16)))
     differ = [i for i in range(16) if together[i] != solo[i % 8]]
     assert not differ, "concurrent streams differ from their solo answers"  # which: timing
     status, raw = tp2.request("POST", "/v1/completions", {"prompt": [5, 10**6]})
@@ -92,10 +83,7 @@ def test_a_dead_rank_stops_the_server_with_exit_1(model: Path, tmp_path: Path) -
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
-    pid = s.processes["scheduler-1"]
-    assert f"the scheduler-1 process (pid {pid}) exited with code -9" in s.log.read_text()
-    assert gone(s.pids(), 10)
-    assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]
+    assert_cleaned_up_after_kill(s, "scheduler-1", tmp_path, 10)
 
 
 def test_heads_that_do_not_divide_are_refused_before_any_process(

@@ -5,8 +5,6 @@ real CUDA graphs run on the H200 (tools/gpu_check.py graph)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import shell_session
 
 from minisgl.core import SamplingParams
 from minisgl.engine.graph import EmulatedGraph, GraphRunner, graph_batch_sizes
@@ -155,11 +154,5 @@ def test_the_hopper_pair_replays_its_decode_backends_graphs(
 
 def test_the_shell_with_graphs(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     """`--shell --cuda-graph-max-bs 2`: the scheduler process logs the graphs it made."""
-    out = subprocess.run(
-        [sys.executable, "-m", "minisgl", "--model", str(model_dir("tiny-qwen3")), "--shell",
-         "--cuda-graph-max-bs", "2", "--max-seq-len-override", "64"], input="hello\n/exit\n",
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, TMPDIR=str(tmp_path)))
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "emulated 2 graphs (batch sizes [1, 2])" in out.stderr
-    ready, answer = out.stdout.split("\n", 1)
-    assert "is ready" in ready and len(answer.strip()) > 0
+    stderr = shell_session(model_dir("tiny-qwen3"), tmp_path, "--cuda-graph-max-bs", "2")
+    assert "emulated 2 graphs (batch sizes [1, 2])" in stderr

@@ -4,16 +4,15 @@ tools/gpu_check.py kernels."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import fake_gpu_libraries, shell_session
 
 from minisgl import kernel
 from minisgl.core import SamplingParams
@@ -207,13 +206,8 @@ def emulated_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.fixture
 def fakes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The fake flashinfer and sgl_kernel of chapter 17 on the import path."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "fakes"))
-    names = ("flashinfer", "sgl_kernel", "sgl_kernel.flash_attn")
-    for name in names:
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    yield
-    for name in names:
-        sys.modules.pop(name, None)
+    with fake_gpu_libraries(monkeypatch):
+        yield
 
 
 @pytest.mark.parametrize("arch,cache_type,attn", [
@@ -249,12 +243,5 @@ def test_the_engine_on_emulated_kernels_gives_hf_tokens(
 def test_the_shell_on_emulated_kernels(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     """`MINISGL_KERNELS=cuda python -m minisgl --shell`: the scheduler process says which
     kernels it runs, and answers."""
-    env = dict(os.environ, TMPDIR=str(tmp_path), MINISGL_KERNELS="cuda")
-    out = subprocess.run(
-        [sys.executable, "-m", "minisgl", "--model", str(model_dir("tiny-qwen3")), "--shell",
-         "--max-seq-len-override", "64"], input="hello\n/exit\n", capture_output=True,
-        text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "kernels: ours, on the CPU emulator (MINISGL_KERNELS=cuda)" in out.stderr
-    ready, answer = out.stdout.split("\n", 1)
-    assert "is ready" in ready and len(answer.strip()) > 0
+    stderr = shell_session(model_dir("tiny-qwen3"), tmp_path, MINISGL_KERNELS="cuda")
+    assert "kernels: ours, on the CPU emulator (MINISGL_KERNELS=cuda)" in stderr

@@ -8,15 +8,13 @@ import dataclasses
 import functools
 import json
 import multiprocessing as mp
-import queue
 import shutil
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import fake_gpu_libraries, run_ranks, shell_session
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -159,17 +157,8 @@ def test_dense_models_are_unchanged(arch: str, cache_type: str, make_llm: Callab
 def test_the_shell_with_triton(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     """`python -m minisgl --shell --moe-backend triton`: the scheduler process names the backend
     and answers (Triton interpreted on the CPU: TRITON_INTERPRET=1 is inherited)."""
-    import os
-    import subprocess
-
-    out = subprocess.run(
-        [sys.executable, "-m", "minisgl", "--model", str(model_dir(MOE)), "--shell",
-         "--moe-backend", "triton", "--max-seq-len-override", "64"], input="hello\n/exit\n",
-        capture_output=True, text=True, timeout=180, env=dict(os.environ, TMPDIR=str(tmp_path)))
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "MoE: 8 experts, top 2, the triton backend" in out.stderr
-    ready, answer = out.stdout.split("\n", 1)
-    assert "is ready" in ready and len(answer.strip()) > 0
+    stderr = shell_session(model_dir(MOE), tmp_path, "--moe-backend", "triton", timeout=180)
+    assert "MoE: 8 experts, top 2, the triton backend" in stderr
 
 
 @pytest.fixture
@@ -180,13 +169,8 @@ def gpu_path_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     monkeypatch.setenv("MINISGL_KERNELS", "cuda")
     kernel.mode.cache_clear()
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "fakes"))
-    names = ("flashinfer", "sgl_kernel", "sgl_kernel.flash_attn")
-    for name in names:
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    yield
-    for name in names:
-        sys.modules.pop(name, None)
+    with fake_gpu_libraries(monkeypatch):
+        yield
     monkeypatch.delenv("MINISGL_KERNELS")
     kernel.mode.cache_clear()
 
@@ -285,7 +269,8 @@ def _generate(path: str, tp: DistributedInfo, rendezvous: str, backend: str
         llm.shutdown()
 
 
-def _rank(path: str, rank: int, size: int, rendezvous: str, backend: str, out: mp.Queue) -> None:
+def _rank(rank: int, size: int, rendezvous: str, path: str, backend: str,
+          out: mp.Queue) -> None:
     tokens, logits = _generate(path, DistributedInfo(rank, size), rendezvous, backend)
     out.put((rank, tokens, [x.tolist() for x in logits]))
 
@@ -298,28 +283,7 @@ def test_tp2_gives_the_tokens_of_one_rank(tmp_path: Path,
     a rank's narrower weights runs in test_ch20_moe.py's shapes; a TP run of it takes ~25 s)."""
     backend = "torch"
     path = model_dir(MOE)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_rank, args=(str(path), r, 2, rendezvous, backend, out))
-             for r in range(2)]
-    results = []
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 120
-        while len(results) < 2 and time.monotonic() < deadline:
-            try:
-                results.append(out.get(timeout=0.5))
-            except queue.Empty:
-                assert all(p.exitcode in (None, 0) for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert len(results) == 2
+    results, _ = run_ranks(_rank, 2, tmp_path, str(path), backend)
     one_tokens, one_logits = _generate(str(path), DistributedInfo(0, 1), "", backend)
     assert one_tokens == [hf_greedy(path, p, 8)[0] for p in PROMPTS]
     for _, tokens, logits in results:

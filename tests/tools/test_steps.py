@@ -210,6 +210,13 @@ def write(root: Path, path: str, text: str) -> None:
     (root / path).write_text(text, encoding="utf-8")
 
 
+def steps_ok(root: Path, *commands: list[str]) -> None:
+    """Run each `steps.py` command in root in turn; every one must succeed."""
+    for args in commands:
+        done = steps_cmd(root, *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
 def edit(root: Path, path: str, old: str, new: str) -> None:
     text = (root / path).read_text(encoding="utf-8")
     assert old in text, f"{old!r} not in {path}"
@@ -241,9 +248,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     for path, text in files.items():
         write(root, path, text)
-    for args in (["record"], ["pages"]):
-        done = steps_cmd(root, *args)
-        assert done.returncode == 0, done.stdout + done.stderr
+    steps_ok(root, ["record"], ["pages"])
     return root
 
 
@@ -1036,16 +1041,12 @@ def test_index_records_a_change_but_not_a_docstring(repo: Path) -> None:
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "book")
     edit(repo, "python/minisgl/util.py", "    return", '    """Loud."""\n    return')
-    for args in (["record"], ["pages", "--index"]):
-        done = steps_cmd(repo, *args)
-        assert done.returncode == 0, done.stdout + done.stderr
+    steps_ok(repo, ["record"], ["pages", "--index"])
     assert index_rows(repo)["shout"] == ("[第 0 章](ch00-a.md)", "—")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "a docstring")
     edit(repo, "python/minisgl/util.py", "text.upper()", "text.upper() + '!'")
-    for args in (["record"], ["pages", "--index"]):
-        done = steps_cmd(repo, *args)
-        assert done.returncode == 0, done.stdout + done.stderr
+    steps_ok(repo, ["record"], ["pages", "--index"])
     assert index_rows(repo)["shout"] == ("[第 0 章](ch00-a.md)", "[1](ch01-b.md)")
 
 
