@@ -92,13 +92,13 @@ def questions(n: int) -> list[list[dict[str, str]]]:
 
 
 def chat_answer(client: openai.OpenAI, chat: list[dict[str, str]], stream: bool,
-                max_tokens: int) -> str:
+                max_tokens: int, ignore_eos: bool = True) -> str:
     """The greedy answer to `chat`, asked in one piece or streamed."""
     # chat, not completions: the SDK's strict Completion type refuses the finish_reason
     # null that every streamed completion chunk but the last must carry
     out = client.chat.completions.create(model="tiny", messages=chat, max_tokens=max_tokens,
                                          temperature=0, stream=stream,
-                                         extra_body={"ignore_eos": True})
+                                         extra_body={"ignore_eos": ignore_eos})
     if not stream:
         return out.choices[0].message.content
     return "".join(c.choices[0].delta.content or "" for c in out if c.choices)

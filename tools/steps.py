@@ -7,7 +7,8 @@ for the options); the work is done by the package tools/book/.
 
 After editing the live code: `record`, then `pages` and `check`. After editing chapter N's
 main.py or skeleton: `record N`. To fix an older tree N: `build N DIR`, edit there, then
-`record N DIR`.
+`record N DIR`. After an edit meant for several trees (a shared test helper, a manifest, a
+merge): `record --all`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     rec = sub.choices["record"]
     rec.add_argument("n", type=int, nargs="?", metavar="N", help="default: the newest chapter")
     rec.add_argument("dir", type=Path, nargs="?", metavar="DIR", help="tree N's new content")
+    rec.add_argument(
+        "--all", action="store_true", help="make every tree what it is now (shared files, merges)"
+    )
     sub.choices["run"].add_argument("args", nargs=argparse.REMAINDER, help="after --: for main.py")
     sub.choices["mutate"].add_argument("name", nargs="?", metavar="NAME")
     sub.choices["bench"].add_argument("id", metavar="ID")
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench":
             return bench(book, args.n, args.id, args.timeout)
         elif args.command == "record":
-            return record(book, args.n, args.dir)
+            return record(book, args.n, args.dir, every=args.all)
     except StepsError as exc:
         print(f"steps.py: error: {exc}", file=sys.stderr)
         return 2

@@ -79,16 +79,15 @@ def main() -> None:
 def serve(backend: str, question: str, expected: str) -> None:
     """The same pair behind `python -m minisgl --attn`, one streamed chat over HTTP."""
     sys.path.insert(0, str(Path("tests").resolve()))
+    from helpers import chat_answer
     from serving import Server, gone  # the server harness of the tests
 
     with tempfile.TemporaryDirectory() as tmp:
         server = Server(MODEL, Path(tmp), "--attn", backend)
         try:
             server.wait_ready()
-            chunks = server.client().chat.completions.create(
-                model="any", messages=[{"role": "user", "content": question}], temperature=0,
-                max_tokens=16, stream=True)
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            chat = [{"role": "user", "content": question}]
+            text = chat_answer(server.client(), chat, stream=True, max_tokens=16, ignore_eos=False)
         finally:
             code = server.stop()
         print(f"python -m minisgl --attn {backend}: streamed {text!r}; same as offline: "

@@ -48,16 +48,15 @@ def generate(prompts: list[list[int]], max_bs: int) -> tuple[list[list[int]], Co
 
 def serve(question: str) -> None:
     sys.path.insert(0, str(Path("tests").resolve()))
+    from helpers import chat_answer
     from serving import Server, gone  # the server harness of the tests
 
     with tempfile.TemporaryDirectory() as tmp:
         server = Server(MODEL, Path(tmp), "--cuda-graph-max-bs", "4")
         try:
             server.wait_ready()
-            chunks = server.client().chat.completions.create(
-                model="any", messages=[{"role": "user", "content": question}], temperature=0,
-                max_tokens=16, stream=True)
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            chat = [{"role": "user", "content": question}]
+            text = chat_answer(server.client(), chat, stream=True, max_tokens=16, ignore_eos=False)
         finally:
             code = server.stop()
         logged = [re.sub(r"\d+\.\d+ s", "_ s", line.split(": ", 1)[1])

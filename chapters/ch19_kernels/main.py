@@ -97,6 +97,7 @@ def generate(prompt: list[int], mode: str) -> tuple[list[int], Counter]:
 def serve(question: str) -> str:
     """The server, its scheduler on our kernels (emulated): one streamed chat answer."""
     sys.path.insert(0, str(Path("tests").resolve()))
+    from helpers import chat_answer
     from serving import Server, gone  # the server harness of the tests
 
     os.environ["MINISGL_KERNELS"] = "cuda"  # the server's processes inherit it
@@ -104,10 +105,8 @@ def serve(question: str) -> str:
         server = Server(MODEL, Path(tmp))
         try:
             server.wait_ready()
-            chunks = server.client().chat.completions.create(
-                model="any", messages=[{"role": "user", "content": question}], temperature=0,
-                max_tokens=12, stream=True)
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            chat = [{"role": "user", "content": question}]
+            text = chat_answer(server.client(), chat, stream=True, max_tokens=12, ignore_eos=False)
         finally:
             code = server.stop()
         print(f"MINISGL_KERNELS=cuda python -m minisgl: exit code {code}, all processes gone: "

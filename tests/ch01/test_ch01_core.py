@@ -9,7 +9,6 @@ from types import ModuleType
 
 import pytest
 import torch
-from helpers import global_ctx
 
 from minisgl.core import (
     Batch,
@@ -21,6 +20,7 @@ from minisgl.core import (
 )
 
 from conftest import chapter_module
+from helpers import global_ctx
 from reference import assert_aligned, hf_greedy, hf_tokenizer
 
 PROMPTS = ["The capital of France is", "Hello", "Once upon a time, in a small village by the sea,"]

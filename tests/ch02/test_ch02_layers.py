@@ -7,7 +7,6 @@ from types import ModuleType
 
 import pytest
 import torch
-from helpers import global_ctx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +36,7 @@ from minisgl.layers import (
 )
 
 from conftest import chapter_module
+from helpers import global_ctx
 from reference import assert_aligned, hf_greedy, hf_tokenizer
 
 PROMPTS = ["The capital of France is", "Hello", "Once upon a time, in a small village by the sea,"]

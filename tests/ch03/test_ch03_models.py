@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Recorder
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -27,6 +26,7 @@ from minisgl.models import (
 from minisgl.models.weight import read_safetensors
 
 from conftest import chapter_module
+from helpers import Recorder
 from reference import assert_aligned, hf_greedy, hf_tokenizer
 
 skeleton = chapter_module("ch03_models", "skeleton")

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Recorder, global_ctx, hf_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +15,7 @@ from minisgl.kvcache import BaseKVCachePool, MHAKVCache, create_kvcache_pool
 from minisgl.models import ModelConfig
 
 from conftest import chapter_module
+from helpers import Recorder, global_ctx, hf_reference
 from reference import assert_aligned, hf_tokenizer
 
 skeleton = chapter_module("ch04_kvpool", "skeleton")

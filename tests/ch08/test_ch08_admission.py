@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers import batches
 
 from minisgl.core import SamplingParams
 
+from helpers import batches
 from reference import hf_greedy, hf_tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three prime numbers:",

@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from helpers import batches
 
 from minisgl.core import SamplingParams
 
+from helpers import batches
 from reference import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -21,9 +21,9 @@ from typing import Any
 import openai
 import psutil
 import pytest
-from helpers import assert_cleaned_up_after_kill, chat_answer, questions
 from transformers import AutoTokenizer
 
+from helpers import assert_cleaned_up_after_kill, chat_answer, questions
 from reference import hf_greedy
 from serving import MAX_SEQ_LEN, Server, gone
 

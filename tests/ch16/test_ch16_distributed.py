@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks
 
 from minisgl.distributed import (
     DistributedInfo,
@@ -19,6 +18,8 @@ from minisgl.distributed import (
     destroy_distributed,
     init_distributed,
 )
+
+from helpers import run_ranks
 
 
 def _collectives(rank: int, size: int, rendezvous: str, out: mp.Queue) -> None:

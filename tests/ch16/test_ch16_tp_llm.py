@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
 
+from helpers import run_ranks
 from reference import hf_greedy
 
 PROMPTS = [[5, 80, 200, 31, 7, 99], [260, 18, 44], list(range(40, 100))]

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import assert_cleaned_up_after_kill, chat_answer, questions
 from transformers import AutoTokenizer
 
+from helpers import assert_cleaned_up_after_kill, chat_answer, questions
 from reference import hf_greedy
 from serving import Server, gone
 

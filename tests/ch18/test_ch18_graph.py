@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import shell_session
 
 from minisgl.core import SamplingParams
 from minisgl.engine.graph import EmulatedGraph, GraphRunner, graph_batch_sizes
 
+from helpers import shell_session
 from reference import hf_greedy
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"

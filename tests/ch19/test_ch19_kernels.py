@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import fake_gpu_libraries, shell_session
 
 from minisgl import kernel
 from minisgl.core import SamplingParams
 from minisgl.kernel import cuda
 
+from helpers import fake_gpu_libraries, shell_session
 from reference import assert_aligned, hf_greedy
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fake_gpu_libraries, run_ranks, shell_session
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -25,6 +24,7 @@ from minisgl.llm import LLM
 from minisgl.models import ModelConfig, create_model, load_hf_config, load_weight
 from minisgl.server.args import parse_args
 
+from helpers import fake_gpu_libraries, run_ranks, shell_session
 from reference import LOGIT_TOL, assert_aligned, hf_tokenizer
 from reference import hf_greedy as _hf_greedy
 from serving import Server

@@ -883,6 +883,23 @@ TEXT = LONG_UTIL.replace(
 )
 
 
+def test_record_all_takes_an_edit_of_a_shared_file_into_every_tree(
+    repo: Path, tmp_path: Path
+) -> None:
+    # minisgl/util.py is in both trees; an edit of its live copy reaches tree 0 as well
+    edit(repo, "python/minisgl/util.py", "def ", "# shared by both trees\ndef ")
+    check_fails(repo, "--no-run", expect={(0, 8), (1, 8)}, message="tree 0 changed")
+    steps_ok(repo, ["record", "--all"], ["pages"])
+    assert steps_cmd(repo, "check", "--no-run").returncode == 0
+    steps_ok(repo, ["build", "0", str(tmp_path / "t0")])
+    assert "# shared by both trees" in (tmp_path / "t0/minisgl/util.py").read_text("utf-8")
+    assert not (repo / "chapters/ch00_a/delta.patch").exists() or "util.py" not in (
+        repo / "chapters/ch00_a/delta.patch"
+    ).read_text("utf-8")
+    done = steps_cmd(repo, "record", "--all", "0")
+    assert done.returncode != 0 and "takes no N or DIR" in done.stderr
+
+
 def moved_book(repo: Path) -> Path:
     """The book with a longer minisgl/util.py in both trees, committed; then chapter 1 moves it
     to minisgl/text.py with a docstring added, and `record` stores that."""

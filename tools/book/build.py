@@ -147,12 +147,24 @@ def live_tree(book: Book, ch: Chapter) -> dict[str, bytes]:
     return tree
 
 
-def record(book: Book, number: int | None, src: Path | None) -> int:
+def record(book: Book, number: int | None, src: Path | None, every: bool = False) -> int:
     """`steps.py record [N [DIR]]`: make tree N what it is now (or what DIR holds), keep every
-    other tree as recorded, re-derive every delta.patch and write N's digest."""
+    other tree as recorded, re-derive every delta.patch and write N's digest. `record --all`:
+    make every tree what it is now (an edit meant for several trees, such as a shared test
+    helper, a manifest change or a merge), re-derive the deltas and write every digest."""
     chapters = book.chapters
     if not chapters:
         raise StepsError("there are no chapters")
+    if every:
+        if number is not None or src is not None:
+            raise StepsError("`record --all` takes no N or DIR")
+        trees = [book.tree(ch) for ch in chapters[:-1]] + [live_tree(book, chapters[-1])]
+        for ch, tree in zip(chapters, trees):
+            digest = tree_digest(tree)
+            if digest != ch.digest:
+                write_digest(ch, digest)
+                print(f"tree {ch.number}: digest {digest}")
+        return record(Book(book.root), None, None)
     target = book.get(number) if number is not None else chapters[-1]
     if src is not None and target is chapters[-1]:
         raise StepsError(
