@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -263,6 +264,8 @@ def check(book: Book, numbers: list[int], run: bool, timeout: float, jobs: int =
             header(ch)
             report(ch, *timed(ch))
     else:
+        # several chapters' torch thread pools share the cores: waiting threads should sleep
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         with ThreadPoolExecutor(max_workers=jobs) as pool:  # the work is in subprocesses
             futures = {pool.submit(timed, ch): ch for ch in reversed(chapters)}
             for future in as_completed(futures):
