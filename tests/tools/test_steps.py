@@ -446,6 +446,24 @@ def test_count_markers_are_written_by_pages_and_checked(repo: Path) -> None:
     assert steps_cmd(repo, "check", "--no-run").returncode == 0
 
 
+def test_a_cases_marker_counts_what_pytest_collects_and_is_checked_when_run(repo: Path) -> None:
+    # tree 0's test file gains a test parametrized three ways: 2 functions, 4 cases
+    param = "import pytest\n\n\n@pytest.mark.parametrize('n', [1, 2, 3])\ndef test_n(n):\n"
+    edit(repo, "tests/ch00/test_a.py", "import naive\n", param + "    assert n\n\n\nimport naive\n")
+    steps_ok(repo, ["record", "0"])
+    marked = ("<!-- n: cases 0:tests/ch00 -->9<!-- /n --> 个测试（含参数化），"
+              "<!-- n: tests 0:tests/ch00/test_a.py -->2<!-- /n --> 个测试函数。\n\n## 运行结果")
+    edit(repo, "docs/ch00-a.md", "## 运行结果", marked)
+    assert steps_cmd(repo, "check", "--no-run", "0").returncode == 0  # cases need pytest
+    check_fails(repo, "0", expect={(0, 5)}, message="a count marker is stale")
+    steps_ok(repo, ["pages", "0"])
+    page = (repo / "docs/ch00-a.md").read_text(encoding="utf-8")
+    assert "<!-- n: cases 0:tests/ch00 -->4<!-- /n --> 个测试（含参数化）" in page
+    assert steps_cmd(repo, "check", "0").returncode == 0
+    edit(repo, "docs/ch00-a.md", "cases 0:tests/ch00 -->", "cases 0:tests/ch99 -->")
+    check_fails(repo, "0", expect={(0, 5)}, message="tree 0 has no tests/ch99")
+
+
 def test_a_count_marker_naming_no_file_fails(repo: Path) -> None:
     edit(repo, "docs/ch00-a.md", "## 运行结果",
          "<!-- n: lines 0:nope.py -->1<!-- /n -->\n\n## 运行结果")

@@ -4,8 +4,10 @@ count markers (chapter 0).
 A page shows code only through include lines (`--8<-- "N:path#name"`, expanded by
 tools/mkdocs_hooks.py) and shows tree N between `<!-- tree: begin -->` and `<!-- tree: end -->`.
 A number that describes a tree is written `<!-- n: KIND N:path -->VALUE<!-- /n -->` (KIND `lines`:
-the file's lines; `nonblank`: those with text; `tests`: its test functions), so `steps.py pages`
-writes VALUE and `check` fails when it is stale.
+the file's lines; `nonblank`: those with text; `tests`: its test functions; `cases`: the test
+cases pytest collects from a test file or folder of tree N, parametrized ones counted apart), so
+`steps.py pages` writes VALUE and `check` fails when it is stale (`cases` needs pytest to run:
+not checked under `--no-run`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ INCLUDE_RE = re.compile(r'^(\s*)--8<--\s+"([^"]*)"\s*$')
 INCLUDE_SPEC_RE = re.compile(r"(repo|\d+):([^#]+?)(?:#([\w.]+)|:(\d+):(\d+))?")
 FENCE_RE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
 COUNT_RE = re.compile(r"<!-- n: (\w+) (\d+):(\S+) -->([^<]*)<!-- /n -->")
-COUNT_KINDS = ("lines", "nonblank", "tests")
+COUNT_KINDS = ("lines", "nonblank", "tests", "cases")
+CASES_RE = re.compile(r"^(\d+) tests? collected", re.M)
+_CASES: dict[tuple[str, int, str], str] = {}  # (root, N, path) -> cases, once per process
 
 
 def read_lines(book: Book, page: str) -> list[str]:
@@ -218,10 +222,32 @@ def find_output_markers(lines: list[str]) -> list[tuple[str, int, Fence | None]]
 # ---------------------------------------------------------------------------- count markers
 
 
+def collected_cases(book: Book, number: int, rel: str) -> str:
+    """How many test cases `pytest --collect-only` finds at `rel` (a file or folder) in tree N."""
+    from book.sandbox import run_command, sandbox  # here: the sandbox builds trees itself
+
+    key = (str(book.root), number, rel)
+    if key not in _CASES:
+        ch = book.get(number)
+        if not any(f.path == rel or f.path.startswith(rel.rstrip("/") + "/") for f in ch.files):
+            raise StepsError(f"tree {number} has no {rel} (see `steps.py tree {number}`)")
+        cmd = ["python", "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", rel]
+        with sandbox(book, ch) as box:
+            done = run_command(book, cmd, box, 600, isolated=True, log="collect.log")
+        found = CASES_RE.search(done.stdout)
+        if done.returncode != 0 or found is None:
+            raise StepsError(f"tree {number}: pytest could not collect {rel}:\n"
+                             + (done.stdout + done.stderr)[-800:])
+        _CASES[key] = f"{int(found[1]):,}"
+    return _CASES[key]
+
+
 def count_value(book: Book, kind: str, number: int, rel: str) -> str:
     """What a count marker stands for, written as the pages write numbers (1,234)."""
     if kind not in COUNT_KINDS:
         raise StepsError(f"unknown count `{kind}` (known: {', '.join(COUNT_KINDS)})")
+    if kind == "cases":
+        return collected_cases(book, number, rel)
     f = book.get(number).file(rel)
     if f is None:
         raise StepsError(f"tree {number} has no {rel} (see `steps.py tree {number}`)")
@@ -237,9 +263,12 @@ def count_value(book: Book, kind: str, number: int, rel: str) -> str:
     return f"{sum(isinstance(n, kinds) and n.name.startswith('test_') for n in nodes):,}"
 
 
-def fill_counts(book: Book, lines: list[str]) -> tuple[list[str], list[str]]:
+def fill_counts(
+    book: Book, lines: list[str], run: bool = True
+) -> tuple[list[str], list[str]]:
     """The lines with every count marker outside fences set to its value, and the problems
-    (`line L: ...`) of the markers that name no file or no known count."""
+    (`line L: ...`) of the markers that name no file or no known count; without `run`, `cases`
+    markers (they need pytest) are left as they are."""
     inside = {i for f in find_fences(lines) for i in range(f.start, f.end + 1)}
     out, problems = list(lines), []
     for i, line in enumerate(lines):
@@ -247,6 +276,8 @@ def fill_counts(book: Book, lines: list[str]) -> tuple[list[str], list[str]]:
             continue
 
         def value(m: re.Match[str], i: int = i) -> str:
+            if m[1] == "cases" and not run:
+                return m[0]
             try:
                 got = count_value(book, m[1], int(m[2]), m[3])
             except StepsError as exc:
