@@ -136,6 +136,19 @@ def _sync() -> None:
         cuda.synchronize()
 
 
+def steps_detail(start: float, stamps: list[float], gaps: list[float]) -> dict[str, float]:
+    """Where a round's time went, to tell a slow round from a fast one: the time before the
+    first batch's result, the gaps between results (median, p90, longest), and the time spent
+    in gaps over four times the median."""
+    if not gaps:
+        return {}
+    ms = sorted(g * 1e3 for g in gaps)
+    p50 = statistics.median(ms)
+    return {"first_ms": round((stamps[0] - start) * 1e3, 2), "gap_p50_ms": round(p50, 3),
+            "gap_p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 3), "gap_max_ms": round(ms[-1], 2),
+            "slow_ms": round(sum(g for g in ms if g > 4 * p50), 2), "steps": len(stamps)}
+
+
 class MinisglWorker:
     """LLM.generate of whichever minisgl is on the path (ours or the official: same API)."""
 
@@ -180,7 +193,7 @@ class MinisglWorker:
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:])]
         return {"seconds": seconds, "output_tokens": sum(len(o["token_ids"]) for o in outs),
                 "step_ms_p50": statistics.median(gaps) * 1e3 if gaps else None,
-                "steps": len(self.stamps),
+                "steps": len(self.stamps), "detail": steps_detail(start, self.stamps, gaps),
                 "peak_gib": cuda.max_memory_allocated() / 2**30 if cuda else None}
 
     def profile(self, first: int = 300, steps: int = 50) -> dict[str, Any]:
@@ -452,7 +465,8 @@ def summarise(row: dict[str, Any]) -> dict[str, Any]:
            "output_tokens": runs[0]["output_tokens"],
            "tokens_all": [r["output_tokens"] for r in runs],
            "tok_s": statistics.median(rates), "tok_s_all": [round(x, 1) for x in rates],
-           "peak_gib": max((r["peak_gib"] or 0) for r in runs) or None}
+           "peak_gib": max((r["peak_gib"] or 0) for r in runs) or None,
+           "rounds_detail": [r.get("detail") for r in runs]}
     steps = [r["step_ms_p50"] for r in runs if r["step_ms_p50"] is not None]
     out["step_ms_p50"] = statistics.median(steps) if steps else None
     if lat := row.pop("latency", None):

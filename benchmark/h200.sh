@@ -59,9 +59,9 @@ workloads)  # ours and the official in turns: nano-vllm's alone (its own configu
     # more than one 600 s call: W="long prefix" and W="short mixed" (with NANO=0) split them
     workload() {  # TAG WORKLOAD...
         local tag=$1; shift
-        echo "# python benchmark/bench_offline.py --model q06 --rounds 3 --latency --host-profile" \
+        echo "# python benchmark/bench_offline.py --model q06 --rounds ${ROUNDS:-3} --latency --host-profile" \
             "--workload $* ($(date -I))" >> "$OUT/ch21_workloads.txt"
-        python benchmark/bench_offline.py --model "$Q06" --official "$OFFICIAL" --rounds 3 \
+        python benchmark/bench_offline.py --model "$Q06" --official "$OFFICIAL" --rounds "${ROUNDS:-3}" \
             --latency --host-profile --workload "$@" --group ours:fi:graph:on official:fi:graph:on \
             --json "$OUT/ch21_w_$tag.json" 2>&1 | quiet | tee -a "$OUT/ch21_workloads.txt"
     }
