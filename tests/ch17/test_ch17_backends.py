@@ -85,6 +85,21 @@ def test_fi_key_slots_copied_row_by_row_or_gathered_give_the_same_tokens(
         r["token_ids"] for r in ref]
 
 
+def test_the_fake_flashinfer_refuses_a_keyword_flashinfer_lacks(fake_flashinfer: Any) -> None:
+    """The fake's wrappers take FlashInfer 0.5.3's parameters by name and nothing else, so a
+    misspelled keyword in our backend fails on the CPU as it would on the GPU."""
+    ws = torch.empty(8, dtype=torch.uint8)
+    decode = fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    with pytest.raises(TypeError, match="use_tensor_core"):
+        fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_core=True)
+    with pytest.raises(TypeError, match="backnd"):
+        fake_flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backnd="fa2")
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(TypeError, match="sm_scal"):
+        decode.plan(one, one[:1], one[1:], num_qo_heads=2, num_kv_heads=1, head_dim=8,
+                    page_size=1, sm_scal=0.1)
+
+
 def test_hybrid_prefills_with_torch_and_decodes_with_fi(fake_flashinfer: Any,
                                                        make_llm: Callable,
                                                        model_dir: Callable[[str], Path]) -> None:

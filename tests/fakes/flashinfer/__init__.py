@@ -1,7 +1,9 @@
-"""A fake `flashinfer` for CPU tests (chapter 17): the two paged wrappers our backend uses, with
-FlashInfer 0.5.3's constructor, `plan` and `run` signatures, a plain-torch attention inside, and
-checks of every argument our backend passes. It says nothing about FlashInfer's kernels; the
-real ones are checked on the H200 (tools/gpu_check.py)."""
+"""A fake `flashinfer` for CPU tests (chapter 17): the two paged wrappers our backend uses, a
+plain-torch attention inside, and checks of every argument our backend passes. The constructors,
+`plan` and `run` take FlashInfer 0.5.3's parameters by their names and in their order, up to the
+last one our backend uses, and nothing else: a keyword the real wrapper lacks (a typo) fails here
+with a TypeError, as it would on the GPU. It says nothing about FlashInfer's kernels; the real
+ones run on the H200 (chapter 17's GPU runs)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,7 @@ def _host_int32(name: str, x: torch.Tensor) -> None:
 class _Paged:
     kind = ""
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
-                 **kwargs: Any) -> None:
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
         assert float_workspace_buffer.dtype == torch.uint8 and kv_layout == "NHD"
         self.layout: dict[str, Any] | None = None
 
@@ -53,8 +54,8 @@ class _Paged:
         calls.append((self.kind, "plan"))
         layouts.append(dict(self.layout, kind=self.kind))
 
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
-            *args: Any, **kwargs: Any) -> torch.Tensor:
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]
+            ) -> torch.Tensor:
         layout = self.layout
         assert layout is not None, "run before plan"
         calls.append((self.kind, "run"))
@@ -85,6 +86,19 @@ class _Paged:
 class BatchPrefillWithPagedKVCacheWrapper(_Paged):
     kind = "prefill"
 
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf: torch.Tensor | None = None,
+                 paged_kv_indptr_buf: torch.Tensor | None = None,
+                 paged_kv_indices_buf: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buf: torch.Tensor | None = None,
+                 custom_mask_buf: torch.Tensor | None = None,
+                 mask_indptr_buf: torch.Tensor | None = None, backend: str = "auto") -> None:
+        buffers = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf,
+                   paged_kv_last_page_len_buf, custom_mask_buf, mask_indptr_buf)
+        assert not use_cuda_graph and all(b is None for b in buffers), "no prefill graphs"
+        assert backend in ("auto", "fa2", "fa3"), backend
+        super().__init__(float_workspace_buffer, kv_layout)
+
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor,
              paged_kv_indices: torch.Tensor, paged_kv_last_page_len: torch.Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int,
@@ -93,8 +107,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
              use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
              window_left: int = -1, logits_soft_cap: float | None = None,
              rope_scale: float | None = None, rope_theta: float | None = None,
-             q_data_type: Any = "float16", kv_data_type: Any = None, non_blocking: bool = True,
-             **kwargs: Any) -> None:
+             q_data_type: Any = "float16", kv_data_type: Any = None, non_blocking: bool = True
+             ) -> None:
         assert custom_mask is None and window_left == -1 and pos_encoding_mode == "NONE"
         self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                    num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, sm_scale,
@@ -108,8 +122,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
                  use_cuda_graph: bool = False, use_tensor_cores: bool = False,
                  paged_kv_indptr_buffer: torch.Tensor | None = None,
                  paged_kv_indices_buffer: torch.Tensor | None = None,
-                 paged_kv_last_page_len_buffer: torch.Tensor | None = None,
-                 **kwargs: Any) -> None:
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None) -> None:
         super().__init__(float_workspace_buffer, kv_layout)
         self.use_tensor_cores = use_tensor_cores
         # graph mode (chapter 18): plan copies the layout into these fixed device buffers, and
@@ -127,7 +140,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
              logits_soft_cap: float | None = None, q_data_type: Any = "float16",
              kv_data_type: Any = None, data_type: Any = None, sm_scale: float | None = None,
              rope_scale: float | None = None, rope_theta: float | None = None,
-             non_blocking: bool = True, **kwargs: Any) -> None:
+             non_blocking: bool = True) -> None:
         assert window_left == -1 and pos_encoding_mode == "NONE"
         self._plan(None, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                    page_size, False, sm_scale, q_data_type, kv_data_type)
@@ -138,8 +151,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
             indices_buf[: len(indices)].copy_(indices)
             last_buf.copy_(last_page_len)
 
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
-            *args: Any, **kwargs: Any) -> torch.Tensor:
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]
+            ) -> torch.Tensor:
         if self.buffers is not None:  # what the fixed buffers hold now, not what plan saw
             from torch.utils._python_dispatch import _disable_current_modes
 
@@ -152,5 +165,5 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
                                    indices=indices_buf[: kv_indptr[-1]].long(),
                                    kv_lens=((pages - 1) * self.layout["page_size"]
                                             + last_buf.cpu()).tolist())
-                return super().run(q, paged_kv_cache, *args, **kwargs)
-        return super().run(q, paged_kv_cache, *args, **kwargs)
+                return super().run(q, paged_kv_cache)
+        return super().run(q, paged_kv_cache)
