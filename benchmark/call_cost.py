@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from timing import cuda_ms, host_ms
 
 from minisgl.kernel import cuda
 
@@ -50,17 +49,7 @@ def us_per_call(f: Callable[[], object], calls: int = 200, rounds: int = 30,
                 sync: bool = False) -> float:
     """Median over rounds of the host time per call; with sync, the GPU drains between rounds
     (and not inside one), so no call waits for a full launch queue."""
-    for _ in range(calls):
-        f()
-    times = []
-    for _ in range(rounds):
-        if sync:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            f()
-        times.append(1e6 * (time.perf_counter() - t) / calls)
-    return statistics.median(times)
+    return 1e3 * host_ms(f, calls=calls, repeats=rounds, warmup=calls, sync=sync).median
 
 
 def main() -> None:
@@ -193,14 +182,7 @@ def breakdown(x: torch.Tensor, weight: torch.Tensor, k: torch.Tensor) -> None:
         print(f"  {name:42} {us_per_call(f, sync=True):6.2f}")
     print("GPU us per kernel (CUDA events over 200 calls):")
     for name, f in (parts[2], parts[5]):
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(200):
-            f()
-        end.record()
-        end.synchronize()
-        print(f"  {name:42} {1e3 * begin.elapsed_time(end) / 200:6.2f}")
+        print(f"  {name:42} {1e3 * cuda_ms(f, calls=200, repeats=1).median:6.2f}")
 
 
 if __name__ == "__main__":

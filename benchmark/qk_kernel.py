@@ -11,13 +11,13 @@ is the host's launch cost, not the kernel's. The flashinfer column is rmsnorm, r
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from timing import cuda_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from minisgl.kernel import cuda  # noqa: E402
@@ -30,19 +30,8 @@ def use(lib: object) -> None:
 
 
 def timed(fn: Callable[[], object], n: int = 200) -> tuple[float, float, float]:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    xs = []
-    for _ in range(5):
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        xs.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(xs), min(xs), max(xs)
+    """Microseconds per call: median, min and max of 5 timings of n back-to-back calls."""
+    return cuda_ms(fn, calls=n, repeats=5, warmup=10).scaled(1e3)
 
 
 def main() -> None:
