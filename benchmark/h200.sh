@@ -3,9 +3,10 @@
 #   PART: sampler, kernels, offline, workloads, profile, ablate, hf, moe, online, launch, serve,
 #         serve1, tp2 (see below)
 #   OUT:  a folder for the results (JSON + the printed text)
-# Needs: flashinfer-python 0.5.3 and the server's packages importable (the wheels went to a
-# folder on PYTHONPATH); Q06: the random Qwen3-0.6B shape, made if missing; OFFICIAL: the
-# official's python/ folder at 20fcd7f (git archive 20fcd7f python | tar -x).
+# Needs: flashinfer-python 0.5.3, the server's packages and pytest importable (the wheels went
+# to a folder on PYTHONPATH); Q06: the random Qwen3-0.6B shape, made if missing; OFFICIAL: the
+# official's python/ folder at 20fcd7f (git archive 20fcd7f python | tar -x). Correctness is
+# pytest on tests/gpu/ (-m gpu), timing benchmark/gpu_bench.py; both go to the part's file.
 set -uo pipefail
 PART=$1 OUT=$2
 Q06=${Q06:-/tmp/q06} OFFICIAL=${OFFICIAL:?the official python/ folder at 20fcd7f}
@@ -45,10 +46,12 @@ serve() {  # LABEL PACKAGE_DIR NAME BENCH_ARGS... : start that server, bench it,
 
 case $PART in
 sampler)  # chapter 6's sorted draw against the draw without a sort, and its chi-square
-    python tools/gpu_check.py sampler 2>&1 | tee "$OUT/ch21_sampler.txt"
+    { python -m pytest -m gpu -v tests/gpu/test_gpu_sampler.py
+      python benchmark/gpu_bench.py sampler; } 2>&1 | tee "$OUT/ch21_sampler.txt"
     ;;
 kernels)  # our kernels against torch's ops: equal, then timed (chapter 19's, as chapter 21 left them)
-    python tools/gpu_check.py kernels 2>&1 | tee "$OUT/ch21_kernels.txt"
+    { python -m pytest -m gpu -v tests/gpu/test_gpu_kernels.py
+      python benchmark/gpu_bench.py kernels; } 2>&1 | tee "$OUT/ch21_kernels.txt"
     ;;
 offline)  # the comparison: ours (overlap on and off) and the official, in turns in one group
     offline ch21_offline 3 --latency --group ours:fi:graph:on official:fi:graph:on \
@@ -81,8 +84,8 @@ hf)  # HF's continuous batching beside ours, on 64 requests of the same distribu
 moe)
     [ -f /tmp/moe/config.json ] || python tools/models.py random --arch qwen3-moe \
         --preset 30b-a3b --layers 4 --out /tmp/moe --dtype bfloat16 --device cuda 2>&1 | tail -1
-    python tools/gpu_check.py moe --moe-model /tmp/moe --rounds 5 2>&1 | quiet \
-        | tee "$OUT/ch21_moe.txt"
+    { MINISGL_MOE=/tmp/moe python -m pytest -m gpu -v tests/gpu/test_gpu_moe.py
+      python benchmark/gpu_bench.py moe --rounds 5; } 2>&1 | quiet | tee "$OUT/ch21_moe.txt"
     ;;
 tp2)  # chapter 16 on two GPUs (issue "11 ·"): TP=2 against TP=1, the server at --tp 2, speed
     python tools/models.py tiny tiny-qwen3 tiny-llama tiny-qwen2 tiny-mistral > /dev/null

@@ -6,9 +6,9 @@ rank on the same machine, the server at --tp 2, and the speed of TP=1 against TP
 
 - tokens: each tiny model in float32, and --model in bfloat16: the greedy tokens of both ranks
   of TP=2 equal TP=1's, and the logits the sampler sees differ from TP=1's by at most 1e-4
-  (float32) or gpu_check's bfloat16 tolerance, relative, step by step (teacher-forced rows).
+  (float32) or the GPU tests' bfloat16 tolerance, relative, step by step (teacher-forced rows).
 - serve: `python -m minisgl --tp 2`: one streamed chat completion through the openai client,
-  then SIGTERM, after which none of its processes may be left (gpu_check's serve check).
+  then SIGTERM, after which none of its processes may be left (tests/gpu/test_gpu_serve.py's run).
 - speed (--model): issue 5's 64-request workload at TP=1 and TP=2, FlashInfer and graphs where
   they exist, rounds in turns after a warm-up; then a profile of TP=2's rank 0 that gives the
   NCCL kernels' time per call and per layer of a decode step.
@@ -31,15 +31,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tools")]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tools")]
 
 import torch  # noqa: E402
-from gpu_check import (  # noqa: E402
+from gpu_common import (  # noqa: E402
     BF16_TOL,
     MODELS,
     PROMPTS,
-    check_serve,
+    ServeRun,
     relative_errors,
+    run_server,
     speed_workload,
 )
 
@@ -226,6 +227,19 @@ def check_speed(path: Path, n: int, rounds: int, attn: str, groups: dict[int, Gr
     return lines
 
 
+def serve_lines(run: ServeRun) -> list[str]:
+    """A server run as the lines this script prints, with a verdict on the stream and the stop."""
+    return [f"info serve: {' '.join(run.command[1:])}",
+            f"info serve: ready after {run.ready_s:.0f} s",
+            *[f"info serve log: {line}" for line in run.log_lines],
+            f"{'ok  ' if run.streamed_to_length else 'FAIL'} serve: streamed chat completion, "
+            f"{run.chunks} chunks in {run.stream_s:.2f} s, finish_reason {run.finish_reason}; "
+            f"text (random weights) {run.text[:60]!r}",
+            f"{'ok  ' if run.stopped_clean else 'FAIL'} serve: SIGTERM, exit code "
+            f"{run.exit_code}; {run.children} child processes, {run.left_running} of them left "
+            "running"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, help="a Qwen3-0.6B-shaped model (bfloat16)")
@@ -260,7 +274,8 @@ def main() -> None:
         for group in groups.values():
             group.stop()
     if "serve" in args.checks:
-        lines += check_serve(args.model or ROOT / "models" / "tiny-qwen3", ("--tp", "2"))
+        lines += serve_lines(run_server(args.model or ROOT / "models" / "tiny-qwen3",
+                                        ("--tp", "2")))
     print("\n".join(lines))
     failed = sum(line.startswith("FAIL") for line in lines)
     print(f"summary: {sum(line.startswith(('ok', 'FAIL')) for line in lines) - failed} ok, "
