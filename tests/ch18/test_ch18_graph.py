@@ -1,7 +1,7 @@
 """Chapter 18: graph capture and replay. On the CPU the graphs are EmulatedGraphs: replay runs the
 captured step again on the captured batch, so it sees only what the static buffers hold; an input
 the runner forgets to copy gives a wrong answer, as with a real CUDA graph. The same replays with
-real CUDA graphs run on the H200 (tools/gpu_check.py graph)."""
+real CUDA graphs run on the H200 (tests/gpu/test_gpu_backends.py)."""
 
 from __future__ import annotations
 

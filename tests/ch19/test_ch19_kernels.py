@@ -1,6 +1,6 @@
 """Chapter 19: our CUDA kernels, compiled by nvcc, and run on the CPU emulator against plain-torch
 references written here (not our reference module). The same kernels on the H200 are checked by
-tools/gpu_check.py kernels."""
+tests/gpu/test_gpu_kernels.py (times: benchmark/gpu_bench.py kernels)."""
 
 from __future__ import annotations
 

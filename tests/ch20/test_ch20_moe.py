@@ -225,7 +225,7 @@ def test_the_kernel_compiles_for_hopper() -> None:
     """The interpreter accepts code the compiler refuses (tile shapes, dtypes): so the kernel is
     also compiled, in a process without TRITON_INTERPRET, to a Hopper (sm90) binary by Triton's
     own ptxas, for the three configurations the backend launches. No GPU is needed to compile;
-    running the binary is the GPU test's and tools/gpu_check.py moe's."""
+    running the binary is the GPU tests' (below, and tests/gpu/test_gpu_moe.py)."""
     code = textwrap.dedent("""
         import triton
         from triton.backends.compiler import GPUTarget

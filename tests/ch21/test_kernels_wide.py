@@ -2,7 +2,7 @@
 rows and pointers allow and the old one-element path where they do not, a warp per short row,
 Qwen3's q/k norms fused with the rotation, and the draw of a token from logits in one pass
 (its frequencies against the float64 softmax).
-The H200 side (bit-equality with torch's ops, times) is tools/gpu_check.py kernels/sampler."""
+The H200 side is tests/gpu/test_gpu_{kernels,sampler}.py; times, benchmark/gpu_bench.py."""
 
 from __future__ import annotations
 
