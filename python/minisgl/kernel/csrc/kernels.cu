@@ -173,16 +173,32 @@ __global__ void rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out, const 
   }
 }
 
+// N floats of the cos/sin table from p, 16 bytes a load where N allows it (p is then 16-byte
+// aligned: the launch checks the table, and a row's offsets are multiples of N floats)
+template <int N>
+__device__ __forceinline__ void load_angles(float (&out)[N], const float* __restrict__ p) {
+  if constexpr (N % 4 == 0) {
+    for (int i = 0; i < N; i += 4) {
+      const Pack<float, 4> f = *reinterpret_cast<const Pack<float, 4>*>(p + i);
+      for (int e = 0; e < 4; ++e) out[i + e] = f.v[e];
+    }
+  } else {
+    for (int i = 0; i < N; ++i) out[i] = p[i];
+  }
+}
+
 // Qwen3's q/k norms and the rotary embedding in one pass: `lanes` lanes per (token, head) row (the
 // row's packs rounded up to a power of two, at most a warp), so a warp holds 32 / lanes rows, in
 // token order, q's heads then k's. The row is normalised with its weight (q_weight or k_weight)
 // and rounded to T as rms_norm_kernel rounds it, then rotated as rope_kernel rotates, so the
 // result is theirs bit for bit (where rms_norm_kernel gives the row a warp: D / N <= 64): a lane
 // sums the squares of the packs rms_norm_kernel's lane of that number sums, and the butterfly
-// over the row's lanes adds what the warp's butterfly adds (its other partners hold zeros). Each
-// lane then writes whole packs of the output, the first half's (x1 c - x2 s) or the second's
-// (x2 c + x1 s), reading both halves; one launch instead of three. A row past the last still
-// joins the shuffles.
+// over the row's lanes adds what the warp's butterfly adds (its other partners hold zeros), so
+// every lane of the row holds the same sum. Each lane then writes whole packs of the output, the
+// first half's (x1 c - x2 s) or the second's (x2 c + x1 s). When a lane holds exactly one pack
+// (lanes = D / N, Qwen3's heads), the row is read once: the normalised pack of the other half
+// comes from lane ^ (lanes / 2) by shuffles. Otherwise a lane reads both halves from memory. One
+// launch instead of three. A row past the last still joins the shuffles.
 template <typename T, int N, typename Position>
 __global__ void qk_norm_rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out,
                                     const T* __restrict__ q, const T* __restrict__ k,
@@ -195,7 +211,8 @@ __global__ void qk_norm_rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out
   const int heads = q_heads + k_heads, half = head_dim / 2;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
   const int lane = int(threadIdx.x % kWarp) % lanes;
-  const int packs = row < tokens * heads ? head_dim / N : 0, groups = packs / 2;
+  const bool valid = row < tokens * heads;
+  const int packs = valid ? head_dim / N : 0, groups = head_dim / N / 2;
   const int64_t t = row / heads;
   const int head = int(row % heads);
   const bool is_q = head < q_heads;
@@ -203,6 +220,35 @@ __global__ void qk_norm_rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out
   const T* in = is_q ? q + t * q_stride + h * head_dim : k + t * k_stride + h * head_dim;
   T* out = is_q ? q_out + (t * q_heads + h) * head_dim : k_out + (t * k_heads + h) * head_dim;
   const T* w = is_q ? q_weight : k_weight;
+  const float* angle = valid ? table + int64_t(positions[t]) * head_dim : table;
+  if (lanes == head_dim / N) {  // one pack a lane (the same for every row of the launch)
+    P a = {};
+    if (valid) a = reinterpret_cast<const P*>(in)[lane];
+    float squares = 0.0f;
+    for (int i = 0; i < N; ++i) squares += to_float(a.v[i]) * to_float(a.v[i]);
+    for (int m = lanes / 2; m > 0; m >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, m);
+    const float inv = rsqrtf(squares / float(head_dim) + eps);
+    const P wp = reinterpret_cast<const P*>(w)[lane];
+    float mine[N], other[N];
+    for (int i = 0; i < N; ++i)
+      mine[i] = round_to<T>(to_float(wp.v[i]) * round_to<T>(to_float(a.v[i]) * inv));
+    for (int i = 0; i < N; ++i) other[i] = __shfl_xor_sync(0xffffffffu, mine[i], groups);
+    if (!valid) return;
+    const bool second = lane >= groups;  // this pack is in the second half: x2 c + x1 s
+    const int j = (second ? lane - groups : lane) * N;
+    float c[N], s[N];
+    load_angles(c, angle + j);
+    load_angles(s, angle + half + j);
+    P y;
+    for (int i = 0; i < N; ++i) {
+      const float x1 = second ? other[i] : mine[i], x2 = second ? mine[i] : other[i];
+      const float ci = round_to<T>(c[i]), si = round_to<T>(s[i]);
+      y.v[i] = from_float<T>(second ? round_to<T>(x2 * ci) + round_to<T>(x1 * si)
+                                    : round_to<T>(x1 * ci) - round_to<T>(x2 * si));
+    }
+    reinterpret_cast<P*>(out)[lane] = y;
+    return;
+  }
   float squares = 0.0f;
   for (int p = lane; p < packs; p += lanes) {
     const P a = reinterpret_cast<const P*>(in)[p];
@@ -210,19 +256,21 @@ __global__ void qk_norm_rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out
   }
   for (int m = lanes / 2; m > 0; m >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, m);
   const float inv = rsqrtf(squares / float(head_dim) + eps);
-  const float* angle = packs ? table + int64_t(positions[t]) * head_dim : table;
   for (int p = lane; p < packs; p += lanes) {
     const bool second = p >= groups;  // this pack is in the second half: x2 c + x1 s
     const int j = (second ? p - groups : p) * N;
     const P a = *reinterpret_cast<const P*>(in + j), b = *reinterpret_cast<const P*>(in + j + half);
     const P wa = *reinterpret_cast<const P*>(w + j), wb = *reinterpret_cast<const P*>(w + j + half);
+    float c[N], s[N];
+    load_angles(c, angle + j);
+    load_angles(s, angle + half + j);
     P y;
     for (int i = 0; i < N; ++i) {
       const float x1 = round_to<T>(to_float(wa.v[i]) * round_to<T>(to_float(a.v[i]) * inv));
       const float x2 = round_to<T>(to_float(wb.v[i]) * round_to<T>(to_float(b.v[i]) * inv));
-      const float c = round_to<T>(angle[j + i]), s = round_to<T>(angle[half + j + i]);
-      y.v[i] = from_float<T>(second ? round_to<T>(x2 * c) + round_to<T>(x1 * s)
-                                    : round_to<T>(x1 * c) - round_to<T>(x2 * s));
+      const float ci = round_to<T>(c[i]), si = round_to<T>(s[i]);
+      y.v[i] = from_float<T>(second ? round_to<T>(x2 * ci) + round_to<T>(x1 * si)
+                                    : round_to<T>(x1 * ci) - round_to<T>(x2 * si));
     }
     *reinterpret_cast<P*>(out + j + (second ? half : 0)) = y;
   }
@@ -484,7 +532,7 @@ int qk_norm_rope(void* q_out, void* k_out, const void* q, const void* k, const v
     constexpr int N = 16 / sizeof(T);
     const bool wide = (head_dim / 2 | q_stride | k_stride) % N == 0 && aligned16(qo) &&
                       aligned16(ko) && aligned16(qi) && aligned16(ki) && aligned16(qw) &&
-                      aligned16(kw);
+                      aligned16(kw) && aligned16(tb);
     return wide ? go(std::integral_constant<int, N>{}) : go(std::integral_constant<int, 1>{});
   });
 }
