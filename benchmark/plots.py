@@ -316,8 +316,10 @@ WORKLOAD_BARS = [("nano-vllm 的负载", "2026-12-03-h200-ch21_workloads-a16fbae
                  ("共享前缀", "2026-12-03-h200-ch21_workloads-2dc152d.json", "prefix"),
                  ("共享前缀，推迟规则修正后", "2026-12-03-h200-ch21_workloads-72afc48.json",
                   "prefix"),
+                 ("共享前缀，12-05", "2026-12-05-h200-ch21_workloads-5123ed2.json", "prefix"),
                  ("长提示词", "2026-12-03-h200-ch21_workloads-2dc152d.json", "long"),
                  ("长提示词，主机修正后", "2026-12-03-h200-ch21_long-a611ebc.json", "long"),
+                 ("长提示词，12-05", "2026-12-05-h200-ch21_workloads-5123ed2.json", "long"),
                  ("1,024 个短请求", "2026-12-03-h200-ch21_workloads-2dc152d.json", "short"),
                  ("混合", "2026-12-03-h200-ch21_workloads-2dc152d.json", "mixed")]
 
@@ -332,7 +334,7 @@ def round_ratios(path: Path, workload: str | None) -> list[float]:
 
 def workloads(path: Path) -> None:
     """bench_offline.py's workloads: ours / the official per workload, the median of the rounds
-    as a bar, each round as a dot; lines at 1 (even) and 1.05 (the goal)."""
+    as a bar, each round as a dot; lines at 1 (even) and 1.05."""
     height = 0.55 * len(WORKLOAD_BARS) + 1.4
     fig, ax = plt.subplots(figsize=(WIDTH, height))
     for i, (_, source, workload) in enumerate(WORKLOAD_BARS):
@@ -349,10 +351,10 @@ def workloads(path: Path) -> None:
     ax.set_xlim(0.6, 1.75)
     ax.grid(axis="x", color="#dddddd", lw=0.8)
     ax.set_axisbelow(True)
-    fig.suptitle("离线：ours / 官方的输出 tok/s，每种负载轮流 2～3 轮 · 2026-12-03", x=0.01,
+    fig.suptitle("离线：ours / 官方的输出 tok/s，每种负载轮流 2～5 轮 · 2026-12-03、05", x=0.01,
                  ha="left")
-    caption(fig, "NVIDIA H200，四次调用（代码见正文）；条是各轮比值的中位数，点是每一轮；"
-                 "实线 1（持平），虚线 1.05（目标）")
+    caption(fig, "NVIDIA H200，五次调用（代码见正文）；条是各轮比值的中位数，点是每一轮；"
+                 "实线 1（持平），虚线 1.05")
     fig.subplots_adjust(left=2.0 / WIDTH, right=1 - 0.2 / WIDTH, top=1 - 0.6 / height,
                         bottom=0.75 / height)
     save(fig, path)

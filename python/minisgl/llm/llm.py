@@ -19,7 +19,6 @@ class RequestAllFinished(Exception):
 
 @dataclass
 class RequestStatus:
-    input_ids: list[int]
     ignore_eos: bool
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
@@ -81,8 +80,7 @@ class LLM(Scheduler):
                 raise ValueError(error)
         self.queue = [PendingReq(uid, x, sp)
                       for uid, (x, sp) in enumerate(zip(ids, sampling_params))]
-        self.status = {uid: RequestStatus(x.tolist(), sp.ignore_eos)
-                       for uid, (x, sp) in enumerate(zip(ids, sampling_params))}
+        self.status = {uid: RequestStatus(sp.ignore_eos) for uid, sp in enumerate(sampling_params)}
         try:
             self.run_forever()
         except RequestAllFinished:
