@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from helpers import assert_cleaned_up_after_kill, chat_answer, questions
 from reference import hf_greedy
-from serving import Server, gone
+from serving import STOP_S, Server, gone
 
 PROMPT = [7, 300, 41, 99, 5, 260, 18]
 
@@ -70,7 +70,7 @@ def test_a_streamed_chat_and_concurrent_clients(tp2: Server) -> None:
 def test_sigterm_stops_every_rank(tp2: Server) -> None:
     start = time.monotonic()
     assert tp2.stop() == 0
-    assert gone(tp2.pids(), 10 - (time.monotonic() - start))
+    assert gone(tp2.pids(), STOP_S - (time.monotonic() - start))
     assert not [p for p in tp2.tmp.iterdir() if p.name != "server.log"]  # no ipc folder
 
 
