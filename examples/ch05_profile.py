@@ -48,7 +48,7 @@ def main() -> None:
     for uid in range(args.batch):
         ids = [rng.randrange(vocab) for _ in range(rng.randint(100, 512))]
         llm.queue.append(PendingReq(uid, torch.tensor(ids, dtype=torch.int32), params))
-        llm.status[uid] = RequestStatus(ids, ignore_eos=True)
+        llm.status[uid] = RequestStatus(ignore_eos=True)
 
     @torch.inference_mode()
     def step() -> None:  # one step without overlap: schedule, launch, wait, hand out tokens
