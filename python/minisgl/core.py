@@ -78,7 +78,7 @@ class Req:
 
     def __init__(self, input_ids: torch.Tensor, table_idx: int, cached_len: int, output_len: int,
                  uid: int, sampling_params: SamplingParams,
-                 cache_handle: BaseCacheHandle | None = None) -> None:
+                 cache_handle: BaseCacheHandle | None = None, retractions: int = 0) -> None:
         if input_ids.device.type != "cpu":
             raise ValueError("Req.input_ids must live on the CPU")
         self.host_len = n = len(input_ids)  # tokens known on the host: len(input_ids)
@@ -88,6 +88,7 @@ class Req:
         self.table_idx, self.cached_len, self.output_len = table_idx, cached_len, output_len
         self.uid, self.sampling_params = uid, sampling_params
         self.cache_handle = cache_handle  # what the prefix cache matched for it
+        self.retractions = retractions  # times it gave its KV back and was queued again
         self.device_len = n
         self.max_device_len = n + output_len
         if not 0 <= self.cached_len < self.device_len <= self.max_device_len:

@@ -57,9 +57,10 @@ class LLM(Scheduler):
         """dtype None: bfloat16 on a GPU, float32 on the CPU. `config` takes the keywords of
         SchedulerConfig and EngineConfig: max_running_req, page_size, num_page_override,
         max_seq_len_override, attention_backend, memory_ratio, device, seed, cache_type,
-        max_extend_tokens, tp_info and dist_init (tensor parallelism runs one process per rank,
-        each making its LLM with its own DistributedInfo(rank, size) and the same dist_init
-        rendezvous), cuda_graph_max_bs and moe_backend."""
+        max_extend_tokens, admission ("expected" or "conservative") and
+        schedule_conservativeness, tp_info and dist_init (tensor parallelism runs one process per
+        rank, each making its LLM with its own DistributedInfo(rank, size) and the same
+        dist_init rendezvous), cuda_graph_max_bs and moe_backend."""
         if dtype is None:
             device = config.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
@@ -105,6 +106,6 @@ class LLM(Scheduler):
         for r in replies:
             status = self.status[r.uid]
             stopped_by_eos = r.next_token == self.eos_token_id and not status.ignore_eos
-            if not (r.finished and stopped_by_eos):
+            if r.next_token >= 0 and not (r.finished and stopped_by_eos):  # -1: none (failed)
                 status.output_ids.append(r.next_token)
             status.finished = r.finished

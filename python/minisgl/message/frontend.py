@@ -47,6 +47,10 @@ class StatsReply:
     total_pages: int
     integrity: str | None = None
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache so far
+    retractions: int = 0  # times running requests were retracted to make room for a decode
+    retracted_reqs: int = 0  # requests retracted so far
+    recomputed_tokens: int = 0  # tokens prefilled again after retractions
+    new_token_ratio: float = 1.0  # share of their output running requests are expected to use
 
 
 @message

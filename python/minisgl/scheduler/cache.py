@@ -48,8 +48,7 @@ class CacheManager:
         """Give each request the pages for positions cached_len..device_len-1 that it does not
         have yet, and write their slots into its page-table row."""
         ps = self.page_size
-        spans = [(r.table_idx, -(-r.cached_len // ps), -(-r.device_len // ps)) for r in reqs]
-        spans = [(row, first, last) for row, first, last in spans if last > first]
+        spans = [(row, first, last) for row, first, last in self._new_pages(reqs) if last > first]
         needed = sum(last - first for _, first, last in spans)
         if needed == 0:
             return
@@ -58,6 +57,16 @@ class CacheManager:
         cells = table_cells([(row, first * ps, (last - first) * ps) for row, first, last in spans],
                             self.device)
         self.page_table[cells] = slots
+
+    def pages_needed(self, reqs: list[Req]) -> int:
+        """The pages allocate_paged would take for these requests now."""
+        return sum(last - first for _, first, last in self._new_pages(reqs))
+
+    def _new_pages(self, reqs: list[Req]) -> list[tuple[int, int, int]]:
+        """(row, first page, end page) of the pages each request lacks for positions
+        cached_len..device_len-1 (none when first == end)."""
+        ps = self.page_size
+        return [(r.table_idx, -(-r.cached_len // ps), -(-r.device_len // ps)) for r in reqs]
 
     def cache_req(self, req: Req, *, finished: bool) -> None:
         """Hand the request's computed K/V (positions 0..cached_len-1) to the prefix cache.

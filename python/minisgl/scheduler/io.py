@@ -134,7 +134,11 @@ class ServerScheduler(Scheduler):
                           free_rows=self.table_manager.available_size,
                           total_rows=self.config.max_running_req,
                           free_pages=len(cache.free_slots), total_pages=cache.num_pages,
-                          integrity=integrity, cached_tokens=self.stats.cached_tokens)
+                          integrity=integrity, cached_tokens=self.stats.cached_tokens,
+                          retractions=self.stats.retractions,
+                          retracted_reqs=self.stats.retracted_reqs,
+                          recomputed_tokens=self.stats.recomputed_tokens,
+                          new_token_ratio=self.new_token_ratio)
 
     def _check(self, msg: UserMsg) -> str | None:
         """Why a request can never run here, or None. Answered at once: a request is never
@@ -156,7 +160,8 @@ class ServerScheduler(Scheduler):
         if replies and self.outbox is not None:  # only rank 0 replies
             self.outbox.put(BatchTokenizerMsg([
                 DetokenizeMsg(uid=r.uid, next_token=r.next_token, finished=r.finished,
-                              finish_reason=r.finish_reason) for r in replies]))
+                              finish_reason="error" if r.error else r.finish_reason,
+                              error=r.error) for r in replies]))
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -95,7 +95,8 @@ class PrefillAdder:
         cls = ChunkedReq if size < remain else Req
         return cls(pending.input_ids[:end], table_idx=row, cached_len=cached_len,
                    output_len=pending.output_len, uid=pending.uid,
-                   sampling_params=pending.sampling_params, cache_handle=handle)
+                   sampling_params=pending.sampling_params, cache_handle=handle,
+                   retractions=pending.retractions)
 
 
 class PrefillManager:
@@ -109,6 +110,24 @@ class PrefillManager:
 
     def add_one_req(self, req: PendingReq) -> None:
         self.pending.append(req)
+
+    def requeue(self, reqs: list[PendingReq]) -> None:
+        """Retracted requests go first, before every request that has not run yet (so none
+        waits for ever behind a stream of new ones), after a prompt part-way through its
+        prefill (which holds pages and a row)."""
+        at = next((i for i, p in enumerate(self.pending) if p.chunked_req is None),
+                  len(self.pending))
+        self.pending[at:at] = reqs
+
+    def promised_tokens(self, page_size: int) -> int:
+        """KV tokens that prompts part-way through their prefill will still take: admitted, so
+        promised, and not the running requests' to use. Such prompts lead the queue."""
+        total = 0
+        for p in self.pending:
+            if p.chunked_req is None:
+                break
+            total += (-(-p.input_len // page_size) - -(-p.chunked_req.cached_len // page_size))
+        return total * page_size
 
     def schedule_next_batch(self, token_budget: int) -> Batch | None:
         adder = PrefillAdder(token_budget, self.decode_manager.inflight_tokens,

@@ -1,6 +1,6 @@
 """The Scheduler (chapter 7): admits requests, builds batches, runs them, hands out tokens.
-Around that loop: admission control, prefix caching, chunked prefill, the overlap loop and
-aborts."""
+Around that loop: admission control, prefix caching, chunked prefill, the overlap loop, aborts
+and retraction."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from minisgl.utils.device import (
     to_device,
 )
 
+from .admission import NewTokenRatio, generated_len, retraction_order
 from .cache import CacheManager, table_cells
 from .config import SchedulerConfig
 from .decode import DecodeManager
@@ -69,7 +70,11 @@ class Scheduler:
         self.table_manager = TableManager(config.max_running_req, self.engine.page_table)
         self.cache_manager = CacheManager(self.engine.num_pages, config.page_size,
                                           self.engine.page_table, config.cache_type)
-        self.decode_manager = DecodeManager(config.page_size)
+        # None ("conservative"): running requests keep all their remaining output and are
+        # never retracted
+        self.ratio = (NewTokenRatio(config.schedule_conservativeness)
+                      if config.admission == "expected" else None)
+        self.decode_manager = DecodeManager(config.page_size, self.ratio)
         self.prefill_manager = PrefillManager(self.cache_manager, self.table_manager,
                                               self.decode_manager)
         self.token_pool = self.table_manager.token_pool
@@ -77,6 +82,9 @@ class Scheduler:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.overlap = os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0") != "1"
         self.finished_reqs: set[Req] = set()  # finished while the next batch was in flight
+        # retracted (or failed) while a batch holding them may be in flight: its token for them
+        # is dropped, and their rows are freed once it is processed
+        self.retracted: list[Req] = []
         self.aborted: dict[int, float] = {}  # uid -> when; stopped at its next token
         self.stats = SchedulerStats()
         self.decode_turn = False  # the last batch was a prefill (see _schedule_next_batch)
@@ -131,16 +139,24 @@ class Scheduler:
     def runnable(self) -> bool:
         return self.prefill_manager.runnable or self.decode_manager.runnable
 
+    @property
+    def new_token_ratio(self) -> float:
+        """The share of their remaining output running requests are expected to use (1 when
+        admission is conservative)."""
+        return 1.0 if self.ratio is None else self.ratio.value
+
     def normal_loop(self) -> None:
         """One step: schedule a batch, run it, wait for its tokens, hand them out."""
         for req in self.receive_reqs(blocking=not self.runnable):
             self.add_req(req)
         forward_input = self._schedule_next_batch()
+        data = None
         if forward_input is not None:
             with self._launching(forward_input.batch):
                 output = self._forward(forward_input)
                 self._after_launch(forward_input.batch)
-            self._process_last_data((forward_input, output))
+            data = (forward_input, output)
+        self._process_last_data(data)
 
     def overlap_loop(self, last_data: ForwardData | None) -> ForwardData | None:
         """One step: schedule and launch batch N+1, then process batch N's tokens while the
@@ -214,16 +230,101 @@ class Scheduler:
         stopping them."""
         batch = None
         if self.decode_between_chunks and self.decode_turn and self.prefill_manager.chunking:
-            batch = self.decode_manager.schedule_next_batch()
+            batch = self._schedule_decode()
         if batch is None and self.prefill_manager.runnable:
             # A prefill may reuse the table row of a request that finished while the batch now
             # in flight still writes its last token there: let our stream's copies into that
             # row wait for it (a device-side wait; the host goes on).
             self.stream.wait_stream(self.engine.stream)  # type: ignore[arg-type]
             batch = self.prefill_manager.schedule_next_batch(self.config.max_extend_tokens)
-        batch = batch or self.decode_manager.schedule_next_batch()
+        batch = batch or self._schedule_decode()
         self.decode_turn = batch is not None and batch.is_prefill
         return None if batch is None else self._prepare_batch(batch)
+
+    def _schedule_decode(self) -> Batch | None:
+        """The running requests' decode batch. Admitted by expected need, they may lack the
+        pages of this step: then the fewest are retracted (_make_room), unless a prompt is
+        part-way through its prefill (the server's decode turn between its chunks): that
+        prompt was promised its pages, so if the rest does not fit the decode waits a step."""
+        if self.ratio is not None and self.decode_manager.runnable:
+            if self.prefill_manager.chunking:
+                if not self._decode_fits(self.decode_manager.reqs):
+                    return None
+                self.ratio.decay()
+            elif not self._make_room():
+                self.ratio.decay()  # a step that needed no retraction: guess a little lower
+        return self.decode_manager.schedule_next_batch()
+
+    def _decode_fits(self, reqs: list[Req]) -> bool:
+        """Can these requests take the pages of one decode step (a page for each one whose
+        next token starts a page), beside what a chunked prompt was promised? Evictable
+        prefix-cache pages count as available."""
+        cache = self.cache_manager
+        need = cache.pages_needed(reqs) * cache.page_size
+        return need + self.prefill_manager.promised_tokens(cache.page_size) <= cache.available_size
+
+    def _make_room(self) -> bool:
+        """Retract running requests, in retraction_order, until the others fit this decode
+        step. One is always kept; if it cannot fit alone, it fails (the KV pool is too small
+        for it: max_seq_len rules that out, so this is a last resort). Returns whether any
+        request was retracted; logs each such event in one line."""
+        reqs = self.decode_manager.reqs
+        if self._decode_fits(reqs):
+            return False
+        assert self.ratio is not None  # only admission by expected need over-commits pages
+        order, victims = retraction_order(reqs), []
+        available, old_ratio = self.cache_manager.available_size, self.ratio.value
+        while not self._decode_fits(order):
+            if len(order) == 1:
+                self._fail(order.pop(), "the KV pool is too small for this request alone; give "
+                           "the server more KV pages (--num-pages) or ask for fewer tokens")
+                break
+            victims.append(order.pop(0))
+            self._take_back(victims[-1])
+        if not victims:
+            return False
+        self._requeue(victims)
+        self.ratio.after_retraction(order)
+        self.stats.retractions += 1
+        self.stats.retracted_reqs += len(victims)
+        logger.warning("KV cache pool is full: retracted %d request(s) (uids %s), %d KV tokens "
+                       "freed; new-token ratio %.4f -> %.4f (raise --schedule-conservativeness "
+                       "if this is frequent)", len(victims), " ".join(str(v.uid) for v in victims),
+                       self.cache_manager.available_size - available, old_ratio, self.ratio.value)
+        return True
+
+    def _take_back(self, req: Req) -> None:
+        """A running request gives back what it holds: its computed prefix goes to the prefix
+        cache (so its recompute is mostly a cache hit), the rest of its pages to the free
+        list. Its row waits until the batch in flight, which may still write its next token
+        there, has been processed; that token is dropped then (see _process_last_data)."""
+        self.decode_manager.remove_req(req)
+        self.cache_manager.cache_req(req, finished=True)
+        self.retracted.append(req)
+
+    def _requeue(self, victims: list[Req]) -> None:
+        """The retracted requests wait again, first in the queue, in uid order: each with its
+        prompt and the tokens it generated as input, and what is left of max_tokens as output,
+        under its own uid and sampling parameters. One whose client went away meanwhile (an
+        abort mark, set before this step) is answered now instead."""
+        requeued: list[PendingReq] = []
+        for req in sorted(victims, key=lambda r: r.uid):
+            if self.aborted.pop(req.uid, None) is not None:
+                self.send_result([TokenReply(req.uid, -1, True, "abort")])
+                continue
+            assert req.cache_handle is not None  # a running request holds its cache handle
+            requeued.append(PendingReq(req.uid, req.input_ids.clone(), req.sampling_params,
+                                       cache_salt=req.cache_handle.salt,
+                                       generated=generated_len(req),
+                                       retractions=req.retractions + 1))
+        self.prefill_manager.requeue(requeued)
+
+    def _fail(self, req: Req, error: str) -> None:
+        """End a running request that cannot go on, with an error its client sees."""
+        logger.error("request %d fails: %s", req.uid, error)
+        self.aborted.pop(req.uid, None)
+        self._take_back(req)
+        self.send_result([TokenReply(req.uid, -1, True, "abort", error=error)])
 
     def _prepare_batch(self, batch: Batch) -> ForwardInput:
         logger.debug("%-7s %s", batch.phase,
@@ -249,10 +350,12 @@ class Scheduler:
         if batch.is_prefill:
             self.stats.prefill_batches += 1
             self.stats.prefill_tokens += sum(r.extend_len for r in batch.reqs)
+            self.stats.recomputed_tokens += sum(r.extend_len for r in batch.reqs if r.retractions)
             # a prompt's first part starts right after its cached prefix; the later parts of a
-            # chunked prompt start further on and found nothing new in the cache
+            # chunked prompt start further on and found nothing new in the cache; a retracted
+            # request's prompt was counted when it first came
             self.stats.cached_tokens += sum(r.cached_len for r in batch.reqs
-                                            if r.cache_handle is not None
+                                            if r.cache_handle is not None and not r.retractions
                                             and r.cached_len == r.cache_handle.cached_len)
         else:
             self.stats.decode_batches += 1
@@ -271,17 +374,25 @@ class Scheduler:
                     self.cache_manager.cache_req(req, finished=False)
 
     def _process_last_data(self, data: ForwardData | None) -> None:
-        if data is None:
-            return
-        forward_input, output = data
+        if data is not None:
+            self._process_tokens(*data)
+        # the batch that may have held the requests retracted this step is done with their rows
+        for req in self.retracted:
+            self.table_manager.free(req.table_idx)
+        self.retracted = []
+        if not self.runnable and self.ratio is not None:
+            self.ratio.reset()  # nothing left to schedule: the next requests start afresh
+
+    def _process_tokens(self, forward_input: ForwardInput, output: ForwardOutput) -> None:
         output.copy_done.synchronize()
         replies: list[TokenReply] = []
         newly_finished: set[Req] = set()
         tokens = output.next_tokens_cpu.tolist()  # one conversion, not one tensor per request
         for req, value in zip(forward_input.batch.reqs, tokens):
             # a chunk's token means nothing; a request that finished in the previous step was
-            # already in this batch (it was scheduled before we knew) and is not reported twice
-            if isinstance(req, ChunkedReq) or req in self.finished_reqs:
+            # already in this batch (it was scheduled before we knew) and is not reported twice;
+            # a retracted one computes this token again when it comes back
+            if isinstance(req, ChunkedReq) or req in self.finished_reqs or req in self.retracted:
                 continue
             req.append_host(value)
             # counted on the host: with overlap, device_len already includes the batch in flight

@@ -16,13 +16,17 @@ if TYPE_CHECKING:
 @dataclass
 class PendingReq:
     """A request waiting for its (next) prefill: not yet holding a table row or KV pages,
-    except a chunked one, which keeps the row and pages of the chunks already computed."""
+    except a chunked one, which keeps the row and pages of the chunks already computed. A
+    retracted request waits here again: its input is its prompt and the tokens it generated
+    (computed again, mostly found in the prefix cache), its output what is left of max_tokens."""
 
     uid: int
-    input_ids: torch.Tensor  # int32 on the CPU: the whole prompt
+    input_ids: torch.Tensor  # int32 on the CPU: the whole prompt (+ output before a retraction)
     sampling_params: SamplingParams
     chunked_req: ChunkedReq | None = None  # while the prompt is prefilled in parts
     cache_salt: str = ""  # shares cached prefixes only with the same salt
+    generated: int = 0  # the last tokens of input_ids that it generated before a retraction
+    retractions: int = 0  # times it was retracted
 
     @property
     def input_len(self) -> int:
@@ -30,7 +34,8 @@ class PendingReq:
 
     @property
     def output_len(self) -> int:
-        return self.sampling_params.max_tokens
+        """Output tokens still to come: max_tokens, less any generated before a retraction."""
+        return self.sampling_params.max_tokens - self.generated
 
 
 class TokenReply(NamedTuple):
@@ -40,6 +45,7 @@ class TokenReply(NamedTuple):
     next_token: int  # -1 when there is none (an aborted request)
     finished: bool
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why the request could not go on (then finish_reason is "abort")
 
 
 @dataclass
@@ -48,5 +54,8 @@ class SchedulerStats:
 
     prefill_batches: int = 0
     decode_batches: int = 0
-    prefill_tokens: int = 0  # prompt tokens computed by prefill batches
+    prefill_tokens: int = 0  # tokens computed by prefill batches (recomputed ones included)
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead
+    retractions: int = 0  # times requests were retracted to make room for a decode step
+    retracted_reqs: int = 0  # requests retracted (one retracted twice counts twice)
+    recomputed_tokens: int = 0  # tokens prefilled again after a retraction

@@ -13,6 +13,7 @@ from minisgl.distributed.shard import local_config
 from minisgl.model_config import ModelConfig, load_hf_config
 from minisgl.moe import MOE_BACKENDS
 from minisgl.scheduler import SchedulerConfig
+from minisgl.scheduler.admission import ADMISSION_MODES, admission_error
 
 from . import limits
 from .limits import Limits
@@ -75,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                    help="an MoE model's experts; auto: triton on a GPU with Triton, else torch")
     p.add_argument("--cache-type", "--cache", default="radix", choices=["radix", "naive"],
                    help="prefix cache")
+    p.add_argument("--admission", default="expected", choices=ADMISSION_MODES,
+                   help="expected: a running request keeps the KV room for the output it is "
+                   "expected to use, and requests are retracted (and recomputed later) when that "
+                   "runs out; conservative: it keeps room for all of max_tokens, never retracted")
+    p.add_argument("--schedule-conservativeness", type=float, default=1.0,
+                   help="with --admission expected: higher expects more output per request "
+                   "(fewer admitted, fewer retractions); raise it if retractions are frequent")
     p.add_argument("--shell-mode", "--shell", action="store_true", dest="shell",
                    help="chat in this terminal instead of serving HTTP")
     limits.add_flags(p)
@@ -86,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                 "`python tools/models.py smollm2` makes one)")
     if error := _tp_error(a.tp_size, a.model_path):
         p.error(error)
+    if error := admission_error(a.admission, a.schedule_conservativeness,
+                                ("--admission", "--schedule-conservativeness")):
+        p.error(error)
     config = SchedulerConfig(
         model_path=a.model_path, dtype=_dtype(a.dtype, a.model_path),
         max_running_req=a.max_running_requests, attention_backend=a.attention_backend,
@@ -93,7 +104,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         max_seq_len_override=a.max_seq_len_override, num_page_override=a.num_pages,
         cache_type=a.cache_type, max_extend_tokens=a.max_extend_tokens or _prefill_chunk(),
         tp_info=DistributedInfo(0, a.tp_size), cuda_graph_max_bs=a.cuda_graph_max_bs,
-        moe_backend=a.moe_backend)
+        moe_backend=a.moe_backend, admission=a.admission,
+        schedule_conservativeness=a.schedule_conservativeness)
     try:
         bounds = limits.from_flags(a, a.max_running_requests)
     except ValueError as e:
