@@ -26,9 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "examples")]
 
 import torch  # noqa: E402
+from ch11_speed import cpu_model  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
@@ -37,14 +38,6 @@ from minisgl.llm import LLM  # noqa: E402
 
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 TOPICS = ["the sea", "a city", "trees", "music", "the moon", "bread", "rain", "a library"]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return "unknown CPU"
 
 
 def start_server(port: int) -> subprocess.Popen:
