@@ -15,6 +15,12 @@ never both in one process. The workers of one --group live at the same time and 
 timed runs in turns (the order rotates each round), so drift hits them alike; the KV pool of
 every minisgl worker is sized to hold the whole workload, the same for both engines.
 
+`--eos` (chapter 22) asks for greedy requests that stop at the model's EOS instead (a model
+folder made by benchmark/eos_model.py, whose EOS token random weights do emit), so max_tokens is
+an upper bound, as a client sets it; a fifth field picks our admission rule,
+`ours:fi:graph:on:conservative` (the default is chapter 22's `expected`); `--pool` sets every
+engine's KV pool (tokens), small enough that the rule matters.
+
 Each row: median seconds of the timed runs, output tokens counted from the outputs, output
 tok/s, the median gap between two result hand-offs of the scheduler (one per step: the decode
 step, since decode steps far outnumber prefills), peak memory allocated by torch, start-up time.
@@ -120,7 +126,9 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
         config = dict(max_seq_len_override=-(-(longest + 1) // 1024) * 1024, cache_type="radix",
                       max_running_req=1024)
     config.update(max_extend_tokens=16384, page_size=1)
-    if _cuda():
+    if args.pool:
+        config["num_page_override"] = args.pool
+    elif _cuda():
         config["num_page_override"] = pool
     return config
 
@@ -152,7 +160,8 @@ def steps_detail(start: float, stamps: list[float], gaps: list[float]) -> dict[s
 class MinisglWorker:
     """LLM.generate of whichever minisgl is on the path (ours or the official: same API)."""
 
-    def __init__(self, args: argparse.Namespace, attn: str, graph: bool) -> None:
+    def __init__(self, args: argparse.Namespace, attn: str, graph: bool,
+                 admission: str = "") -> None:
         from minisgl.core import SamplingParams
         from minisgl.llm import LLM
 
@@ -160,6 +169,8 @@ class MinisglWorker:
         self.prompts, self.lens = the_workload(args)
         self.sp = SamplingParams
         config = engine_config(args)
+        if admission:  # ours only: the official has no such setting
+            config["admission"] = admission
         self.llm = LLM(args.model, attention_backend=attn, cuda_graph_max_bs=(256 if graph else 0),
                        **config)
         self.stamps: list[float] = []
@@ -181,7 +192,8 @@ class MinisglWorker:
 
     def run(self, name: str, round_: int = 0) -> dict[str, Any]:
         prompts, lens = the_workload(self.args, name, round_ + 1)  # round 0's: the warm-up's
-        params = [self.sp(temperature=0.6, ignore_eos=True, max_tokens=k) for k in lens]
+        params = ([self.sp(max_tokens=k) for k in lens] if self.args.eos  # greedy, EOS stops
+                  else [self.sp(temperature=0.6, ignore_eos=True, max_tokens=k) for k in lens])
         if cuda := _cuda():
             cuda.reset_peak_memory_stats()
         self.stamps.clear()
@@ -341,13 +353,13 @@ class HFWorker:
 
 def worker_main(args: argparse.Namespace) -> None:
     """Serve the driver: `run`, `latency` and `quit` on stdin, one tagged JSON line each."""
-    engine, attn, graph, overlap = (args.worker.split(":") + ["", "", ""])[:4]
+    engine, attn, graph, overlap, admission = (args.worker.split(":") + [""] * 4)[:5]
     start = time.perf_counter()
     if engine == "hf":
         worker: MinisglWorker | HFWorker = HFWorker(args)
     else:
         os.environ["MINISGL_DISABLE_OVERLAP_SCHEDULING"] = "1" if overlap == "off" else "0"
-        worker = MinisglWorker(args, attn, graph == "graph")
+        worker = MinisglWorker(args, attn, graph == "graph", admission)
     print(TAG + json.dumps({"startup_s": time.perf_counter() - start,
                             "versions": versions(engine)}), flush=True)
     for line in sys.stdin:
@@ -416,7 +428,8 @@ def spawn(config: str, args: argparse.Namespace) -> Worker:
             "--workload", *args.workload, "--scale", str(args.scale),
             "--requests", str(args.requests), "--hf-timeout", str(args.hf_timeout),
             "--max-id", str(args.max_id), "--input-len", *map(str, args.input_len),
-            "--output-len", *map(str, args.output_len)]
+            "--output-len", *map(str, args.output_len), "--pool", str(args.pool),
+            *(["--eos"] if args.eos else [])]
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, bufsize=1)
     return Worker(config, proc)
@@ -481,12 +494,13 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     def num(x: float | None, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
-    lines = [f"{'configuration':<26} {'seconds':>8} {'out tok':>8} {'tok/s':>8} {'step p50':>9}"
+    w = max([26, *(len(r["config"]) for r in rows)])
+    lines = [f"{'configuration':<{w}} {'seconds':>8} {'out tok':>8} {'tok/s':>8} {'step p50':>9}"
              f" {'peak GiB':>8} {'start s':>7}  batch 1 (tok/s, ms/step)"]
     for r in rows:
         lat = r.get("latency")
         one = f"{lat['tok_s']:.0f}, {lat['step_ms']:.2f}" if lat else "-"
-        lines.append(f"{r['config']:<26} {r['seconds']:8.2f} {r['output_tokens']:8d} "
+        lines.append(f"{r['config']:<{w}} {r['seconds']:8.2f} {r['output_tokens']:8d} "
                      f"{r['tok_s']:8.0f} {num(r['step_ms_p50'], '9.2f')} "
                      f"{num(r['peak_gib'], '8.1f')} {r['startup_s']:7.1f}  {one}")
     return lines
@@ -537,6 +551,10 @@ def main() -> None:
                         "any of ours, run one after another by the same engines")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="shrink our workloads' counts and lengths (tests)")
+    parser.add_argument("--eos", action="store_true",
+                        help="greedy requests that stop at the model's EOS (max_tokens a bound)")
+    parser.add_argument("--pool", type=int, default=0,
+                        help="every engine's KV pool in tokens (default: room for the workload)")
     parser.add_argument("--hf-timeout", type=float, default=600)
     parser.add_argument("--json", default="", help="write the results here")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)

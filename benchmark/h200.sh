@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Chapter 21's GPU runs, as they were run on an H200: bash benchmark/h200.sh PART OUT
 #   PART: sampler, kernels, offline, workloads, profile, ablate, hf, moe, online, launch, serve,
-#         serve1, tp2 (see below)
+#         serve1, tp2, admission (see below)
 #   OUT:  a folder for the results (JSON + the printed text)
 # Needs: flashinfer-python 0.5.3, the server's packages and pytest importable (the wheels went
 # to a folder on PYTHONPATH); Q06: the random Qwen3-0.6B shape, made if missing; OFFICIAL: the
@@ -111,5 +111,16 @@ serve1)  # both servers one request at a time: the server's cost per step next t
     for e in ours:$PWD/python official:$OFFICIAL; do
         serve "${e%%:*}" "${e#*:}" serve1 --num-prompts 8 --request-rates inf --max-concurrency 1
     done
+    ;;
+admission)  # chapter 22: greedy requests that stop at an EOS both engines honour (a token the
+    # random weights do emit, chosen by eos_model.py), max_tokens far above where they stop; ours
+    # by expected need, ours conservatively, and the official, one pool each, in turns
+    python benchmark/eos_model.py --model "$Q06" --out /tmp/q06eos --requests 1024 \
+        --input-len 100 1024 --output-len 512 1024 2>&1 | quiet | tee "$OUT/ch22_admission.txt"
+    python benchmark/bench_offline.py --model /tmp/q06eos --official "$OFFICIAL" \
+        --rounds "${ROUNDS:-3}" --requests 1024 --input-len 100 1024 --output-len 512 1024 --eos \
+        --pool "${POOL:-150000}" --latency \
+        --group ours:fi:graph:on ours:fi:graph:on:conservative official:fi:graph:on \
+        --json "$OUT/ch22_admission.json" 2>&1 | quiet | tee -a "$OUT/ch22_admission.txt"
     ;;
 esac

@@ -252,22 +252,26 @@ class Scheduler:
                     return None
                 self.ratio.decay()
             elif not self._make_room():
-                self.ratio.decay()  # a step that needed no retraction: guess a little lower
+                self.ratio.decay()  # a step that fitted as it was: guess a little lower
         return self.decode_manager.schedule_next_batch()
 
     def _decode_fits(self, reqs: list[Req]) -> bool:
         """Can these requests take the pages of one decode step (a page for each one whose
         next token starts a page), beside what a chunked prompt was promised? Evictable
-        prefix-cache pages count as available."""
+        prefix-cache pages count as available. A decode step takes at most one page per
+        request: when that many fit, the exact count (a pass over the requests) is skipped."""
         cache = self.cache_manager
-        need = cache.pages_needed(reqs) * cache.page_size
-        return need + self.prefill_manager.promised_tokens(cache.page_size) <= cache.available_size
+        room = cache.available_size - self.prefill_manager.promised_tokens(cache.page_size)
+        if len(reqs) * cache.page_size <= room:
+            return True
+        return cache.pages_needed(reqs) * cache.page_size <= room
 
     def _make_room(self) -> bool:
         """Retract running requests, in retraction_order, until the others fit this decode
         step. One is always kept; if it cannot fit alone, it fails (the KV pool is too small
-        for it: max_seq_len rules that out, so this is a last resort). Returns whether any
-        request was retracted; logs each such event in one line."""
+        for it: max_seq_len rules that out, so this is a last resort). Returns whether the
+        step did not fit as it was (requests retracted, or one failed); logs each retraction
+        in one line."""
         reqs = self.decode_manager.reqs
         if self._decode_fits(reqs):
             return False
@@ -282,7 +286,7 @@ class Scheduler:
             victims.append(order.pop(0))
             self._take_back(victims[-1])
         if not victims:
-            return False
+            return True  # the one request left failed: not a step to lower the guess after
         self._requeue(victims)
         self.ratio.after_retraction(order)
         self.stats.retractions += 1
