@@ -477,6 +477,7 @@ def summarise(row: dict[str, Any]) -> dict[str, Any]:
            "seconds_all": [round(r["seconds"], 3) for r in runs],
            "output_tokens": runs[0]["output_tokens"],
            "tokens_all": [r["output_tokens"] for r in runs],
+           "steps_all": [r.get("steps") for r in runs],  # scheduled batches
            "tok_s": statistics.median(rates), "tok_s_all": [round(x, 1) for x in rates],
            "peak_gib": max((r["peak_gib"] or 0) for r in runs) or None,
            "rounds_detail": [r.get("detail") for r in runs]}
