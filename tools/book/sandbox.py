@@ -127,6 +127,11 @@ def run_command(
     variables."""
     env = dict(os.environ, **(env or {}), MINISGL_REPO=str(book.root), PYTHONDONTWRITEBYTECODE="1")
     env.pop("MINISGL_STEPS_LOG", None)
+    # pytest stops shortening assertion explanations when it sees a CI system (CI or
+    # BUILD_NUMBER set), which changes a mutant report's summary line: a run's output must not
+    # depend on where it runs.
+    for var in ("CI", "BUILD_NUMBER"):
+        env.pop(var, None)
     if isolated:
         env["PYTHONPATH"] = f"{cwd / '.steps'}{os.pathsep}{cwd}"
         env["MINISGL_STEPS_LOG"] = str(cwd / ".steps" / log)
