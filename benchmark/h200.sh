@@ -115,11 +115,12 @@ serve1)  # both servers one request at a time: the server's cost per step next t
 admission)  # chapter 22: greedy requests that stop at an EOS both engines honour (a token the
     # random weights do emit, chosen by eos_model.py), max_tokens far above where they stop; ours
     # by expected need, ours conservatively, and the official, one pool each, in turns
-    python benchmark/eos_model.py --model "$Q06" --out /tmp/q06eos --requests 1024 \
+    # (REQUESTS, ROUNDS, POOL: 1024, 3, 150000 unless set)
+    python benchmark/eos_model.py --model "$Q06" --out /tmp/q06eos --requests "${REQUESTS:-1024}" \
         --input-len 100 1024 --output-len 512 1024 2>&1 | quiet | tee "$OUT/ch22_admission.txt"
     python benchmark/bench_offline.py --model /tmp/q06eos --official "$OFFICIAL" \
-        --rounds "${ROUNDS:-3}" --requests 1024 --input-len 100 1024 --output-len 512 1024 --eos \
-        --pool "${POOL:-150000}" --latency \
+        --rounds "${ROUNDS:-3}" --requests "${REQUESTS:-1024}" --input-len 100 1024 \
+        --output-len 512 1024 --eos --pool "${POOL:-150000}" --latency \
         --group ours:fi:graph:on ours:fi:graph:on:conservative official:fi:graph:on \
         --json "$OUT/ch22_admission.json" 2>&1 | quiet | tee -a "$OUT/ch22_admission.txt"
     ;;
