@@ -8,13 +8,19 @@ for the options); the work is done by the package tools/book/.
 After editing the live code: `record`, then `pages` and `check`. After editing chapter N's
 main.py or skeleton: `record N`. To fix an older tree N: `build N DIR`, edit there, then
 `record N DIR`. After an edit meant for several trees (a shared test helper, a manifest, a
-merge): `record --all`.
+merge): `record --all`. The writing commands (`pages`, `bench`, `record`) refuse to start while
+another one runs in the same repository.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import hashlib
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from book.build import build, diff_text, record
@@ -96,41 +102,70 @@ def run_main(book: Book, number: int, args: list[str], timeout: float) -> int:
     return result.returncode
 
 
+WRITERS = ("pages", "bench", "record")  # the commands that write pages, results or deltas
+
+
+@contextlib.contextmanager
+def one_writer(root: Path, command: str) -> Iterator[None]:
+    """Refuse a second writing command in the same repository while one runs: two `pages` at
+    once interleave their writes and leave a page that is neither run's."""
+    git = root / ".git"
+    where = git if git.is_dir() else Path(tempfile.gettempdir())
+    name = "steps-write.lock" if git.is_dir() else (
+        f"steps-write-{hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:12]}.lock")
+    with open(where / name, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StepsError(
+                f"another `steps.py {'/'.join(WRITERS)}` is running in {root}; wait for it to "
+                f"finish before `steps.py {command}`"
+            ) from None
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         book = Book(args.root)
-        if args.command == "list":
-            for ch in book.chapters:
-                print(
-                    f"{ch.number:2d}  {ch.slug:<16} {ch.title}  ({len(ch.files)} files, {ch.page})"
-                )
-        elif args.command == "tree":
-            print("\n".join(tree_block(book, book.get(args.n))))
-        elif args.command == "build":
-            return build(book, args.n, args.dir)
-        elif args.command == "diff":
-            sys.stdout.write(diff_text(book, book.get(args.n)))
-        elif args.command == "run":
-            return run_main(book, args.n, args.args, args.timeout)
-        elif args.command == "check":
-            return check(book, args.n, not args.no_run, args.timeout, args.jobs)
-        elif args.command == "pages":
-            if args.index or not args.n:
-                write_index(book)
-            if args.index and not args.n:
-                return 0
-            chapters = [book.get(n) for n in args.n] if args.n else book.chapters
-            return 0 if regenerate(book, chapters, args.timeout, args.force) else 1
-        elif args.command == "mutate":
-            return mutate(book, args.n, args.name, args.timeout)
-        elif args.command == "bench":
-            return bench(book, args.n, args.id, args.timeout)
-        elif args.command == "record":
-            return record(book, args.n, args.dir, every=args.all)
+        with one_writer(book.root, args.command) if args.command in WRITERS else (
+                contextlib.nullcontext()):
+            return dispatch(book, args)
     except StepsError as exc:
         print(f"steps.py: error: {exc}", file=sys.stderr)
         return 2
+
+
+def dispatch(book: Book, args: argparse.Namespace) -> int:
+    """Run the command `args` names; its exit code."""
+    if args.command == "list":
+        for ch in book.chapters:
+            print(
+                f"{ch.number:2d}  {ch.slug:<16} {ch.title}  ({len(ch.files)} files, {ch.page})"
+            )
+    elif args.command == "tree":
+        print("\n".join(tree_block(book, book.get(args.n))))
+    elif args.command == "build":
+        return build(book, args.n, args.dir)
+    elif args.command == "diff":
+        sys.stdout.write(diff_text(book, book.get(args.n)))
+    elif args.command == "run":
+        return run_main(book, args.n, args.args, args.timeout)
+    elif args.command == "check":
+        return check(book, args.n, not args.no_run, args.timeout, args.jobs)
+    elif args.command == "pages":
+        if args.index or not args.n:
+            write_index(book)
+        if args.index and not args.n:
+            return 0
+        chapters = [book.get(n) for n in args.n] if args.n else book.chapters
+        return 0 if regenerate(book, chapters, args.timeout, args.force) else 1
+    elif args.command == "mutate":
+        return mutate(book, args.n, args.name, args.timeout)
+    elif args.command == "bench":
+        return bench(book, args.n, args.id, args.timeout)
+    elif args.command == "record":
+        return record(book, args.n, args.dir, every=args.all)
     return 0
 
 

@@ -1115,3 +1115,16 @@ def test_a_stale_index_fails_the_check_until_regenerated(repo: Path) -> None:
     done = steps_cmd(repo, "check", "--no-run")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "the package index matches the trees" in done.stdout
+
+
+def test_a_second_writing_command_is_refused_while_one_runs(repo: Path) -> None:
+    """Two `pages` at once interleave their writes; the second is refused and names the first."""
+    steps = load_module("steps_for_lock", STEPS)
+    page = (repo / "docs/ch00-a.md").read_text(encoding="utf-8")
+    with steps.one_writer(repo, "pages"):
+        for command in ("pages", "record"):
+            done = steps_cmd(repo, command)
+            assert done.returncode == 2 and "another `steps.py pages/bench/record`" in done.stderr
+        assert steps_cmd(repo, "check", "--no-run").returncode == 0  # readers are not held up
+    assert (repo / "docs/ch00-a.md").read_text(encoding="utf-8") == page
+    steps_ok(repo, ["pages"])
