@@ -454,7 +454,8 @@ def run_group(configs: list[str], args: argparse.Namespace,
                     run = w.ask(f"run {name} {r}")
                     rows[w.config]["runs"].append(run)
                     bar.write(f"round {r} {w.config}: {run['output_tokens']} tokens in "
-                              f"{run['seconds']:.2f} s, {run.get('steps')} batches", file=sys.stderr)
+                              f"{run['seconds']:.2f} s, {run.get('steps')} batches",
+                              file=sys.stderr)
                     bar.update()
         for w in workers:  # once per group, with the first workload's rows
             if i > 0 or w.config.startswith("hf"):
