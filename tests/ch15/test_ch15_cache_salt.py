@@ -27,9 +27,9 @@ from minisgl.core import Req, SamplingParams
 from minisgl.kvcache import BaseCacheHandle, InsertResult, SizeInfo, create_prefix_cache
 from minisgl.kvcache.radix_cache import RadixCacheHandle, RadixNode, RadixPrefixCache
 from minisgl.llm import LLM
-from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.utils import PendingReq
 
+from machines import ManagerMachine, ids, slots_of
 from reference import hf_greedy
 from serving import Server
 
@@ -37,14 +37,6 @@ CPU = torch.device("cpu")
 SALTS = ("", "a", "b")
 # No explain phase: on a failure it reruns the machine for minutes to annotate lines.
 PHASES = [Phase.explicit, Phase.generate, Phase.shrink]
-
-
-def ids(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int32)
-
-
-def slots_of(handle: BaseCacheHandle) -> list[int]:
-    return handle.get_matched_indices().tolist()
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -417,125 +409,39 @@ def test_planted_salt_leak_is_caught(planted: type[RadixPrefixCache]) -> None:
 
 # --- the CacheManager: random use over several salts --------------------------------------------
 
-STEMS = [[0, 1, 2, 3, 0, 1, 2, 3, 1, 1, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]]
+class SaltedManagerMachine(ManagerMachine):
+    """Chapter 9's machine with a random salt per request, often the same prompt under several
+    salts in one batch. Each page remembers the salt of the request it was last allocated to: a
+    page in salt s's tree, or in the cached part of a running request of salt s, must have been
+    computed for salt s."""
 
-
-@st.composite
-def prompts(draw) -> list[int]:
-    """A cut of a shared stem plus a short random tail: prompts often share whole pages."""
-    stem = draw(st.sampled_from(STEMS))
-    tail = draw(st.binary(max_size=3))
-    return stem[: draw(st.integers(0, len(stem)))] + [byte % 4 for byte in tail] or [0]
-
-
-class SaltedManagerMachine(RuleBasedStateMachine):
-    """Requests with random salts admitted (as PrefillAdder does: match, estimate, lock, re-check),
-    prefilled, decoded and finished, often the same prompt under several salts in one batch. Each
-    page remembers the salt of the request it was last allocated to: a page in salt s's tree, or
-    in the cached part of a running request of salt s, must have been computed for salt s. Free,
-    cached and owned pages make up the pool, each once."""
-
-    rows, cols, capacity = 4, 32, 32
+    cache_types = ("radix",)
+    stems = [[0, 1, 2, 3, 0, 1, 2, 3, 1, 1, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]]
+    max_tail, max_out = 3, 6
 
     def __init__(self) -> None:
         super().__init__()
-        self.ps = 1
-        self.num_pages = self.capacity
-        self.page_table = torch.zeros((self.rows, self.cols), dtype=torch.int32)
-        self.mgr = CacheManager(self.num_pages, 1, self.page_table)
-        self.free_rows = list(range(self.rows))
-        self.running: dict[int, Req] = {}
-        self.extent: dict[int, int] = {}  # uid -> positions of its row that have pages
         self.computed_for: dict[int, str] = {}  # page -> salt of the request it was given to
-        self.uid = 0
 
-    @initialize(data=st.data())
-    def setup(self, data: st.DataObject) -> None:
-        self.ps = data.draw(st.sampled_from((1, 4)), label="page_size")
-        self.num_pages = self.capacity // self.ps
-        self.mgr = CacheManager(self.num_pages, self.ps, self.page_table)
-        self.prefill(data, n=3)
+    def _pending(self, prompt: list[int], params: SamplingParams,
+                 data: st.DataObject) -> PendingReq:
+        salt = data.draw(st.sampled_from(SALTS), label="salt")
+        return PendingReq(self.uid, ids(*prompt), params, cache_salt=salt)
 
-    def _forward(self, reqs: list[Req]) -> None:
-        self.mgr.allocate_paged(reqs)
-        for req in reqs:
-            end = -(-req.device_len // self.ps) * self.ps
-            start = req.cache_handle.cached_len  # before it: the cache's pages
-            row = self.page_table[req.table_idx, start:end: self.ps].tolist()
-            self.computed_for.update((s // self.ps, req.cache_handle.salt) for s in row)
-            self.extent[req.uid] = end
-            req.complete_one()
+    def _matched(self, pending: PendingReq, handle: BaseCacheHandle) -> None:
+        assert handle.salt == pending.cache_salt
+        cached = slots_of(handle)[:: self.ps]
+        assert all(self.computed_for[s // self.ps] == handle.salt for s in cached), "crossed salts"
 
-    def _sampled(self, reqs: list[Req], data: st.DataObject) -> None:
-        tokens = data.draw(st.binary(min_size=len(reqs), max_size=len(reqs)), label="tokens")
-        for req, token in zip(reqs, tokens):
-            req.append_host(torch.tensor(token % 2))
-            if not req.can_decode:
-                self._finish(req)
-
-    def _finish(self, req: Req) -> None:
-        del self.running[req.uid], self.extent[req.uid]
-        self.free_rows.append(req.table_idx)
-        self.mgr.cache_req(req, finished=True)
-
-    @rule(data=st.data(), n=st.integers(1, 3))
-    def prefill(self, data: st.DataObject, n: int) -> None:
-        reserved = sum(r.remain_len + self.ps - 1 for r in self.running.values())
-        batch: list[Req] = []
-        prompt: list[int] = []
-        for _ in range(n):
-            if not self.free_rows:
-                break
-            if not (prompt and data.draw(st.booleans(), label="same prompt again")):
-                prompt = data.draw(prompts(), label="prompt")
-            salt = data.draw(st.sampled_from(SALTS), label="salt")
-            out_len = data.draw(st.integers(1, 6), label="output_len")
-            params = SamplingParams(max_tokens=out_len, ignore_eos=True)
-            pending = PendingReq(self.uid, ids(*prompt), params, cache_salt=salt)
-            handle = self.mgr.match_req(pending)
-            assert handle.salt == salt
-            cached = slots_of(handle)[:: self.ps]
-            assert all(self.computed_for[s // self.ps] == salt for s in cached), "crossed salts"
-            need = pending.input_len - handle.cached_len + out_len + self.ps - 1
-            if need + reserved > self.mgr.available_size:
-                break
-            self.mgr.lock(handle)
-            if need + reserved > self.mgr.available_size:
-                self.mgr.unlock(handle)
-                break
-            row = self.free_rows.pop()
-            self.page_table[row, : handle.cached_len] = handle.get_matched_indices()
-            batch.append(Req(pending.input_ids, row, handle.cached_len, out_len, self.uid,
-                             params, handle))
-            reserved += need
-            self.uid += 1
-        if not batch:
-            return
-        self._forward(batch)
-        for req in batch:
-            self.running[req.uid] = req
-            self.mgr.cache_req(req, finished=False)
-        self._sampled(batch, data)
-
-    @rule(data=st.data())
-    def decode(self, data: st.DataObject) -> None:
-        if self.running:
-            batch = [self.running[uid] for uid in sorted(self.running)]
-            self._forward(batch)
-            self._sampled(batch, data)
-
-    @rule(data=st.data())
-    def stop_early(self, data: st.DataObject) -> None:
-        if self.running:
-            self._finish(self.running[data.draw(st.sampled_from(sorted(self.running)))])
+    def _allocated(self, req: Req, start: int, end: int) -> None:
+        row = self.page_table[req.table_idx, start:end: self.ps].tolist()
+        self.computed_for.update((s // self.ps, req.cache_handle.salt) for s in row)
 
     @invariant()
-    def pages_conserved_and_salts_kept(self) -> None:
-        ps, mgr = self.ps, self.mgr
-        cache = mgr.prefix_cache
+    def salts_kept(self) -> None:
+        """A tree holds only pages computed for its salt; so does a running request's prefix."""
+        ps, cache = self.ps, self.mgr.prefix_cache
         assert isinstance(cache, RadixPrefixCache)
-        free_pages = [s // ps for s in mgr.free_slots.tolist()]
-        cached_pages: list[int] = []
         for salt, root in cache.roots.items():
             stack = list(root.children.values())
             while stack:
@@ -543,19 +449,10 @@ class SaltedManagerMachine(RuleBasedStateMachine):
                 stack.extend(node.children.values())
                 pages = [s // ps for s in node.value.tolist()[::ps]]
                 assert all(self.computed_for[p] == salt for p in pages), "a tree crossed salts"
-                cached_pages += pages
-        assert len(cached_pages) * ps == cache.size_info.total_size
-        owned: list[int] = []
         for req in self.running.values():
-            handle, end = req.cache_handle, self.extent[req.uid]
-            row = self.page_table[req.table_idx, :end].tolist()
-            n = handle.cached_len
-            assert row[:n] == slots_of(handle)
-            assert all(self.computed_for[s // ps] == handle.salt for s in row[:n:ps])
-            owned += [s // ps for s in row[n::ps]]
-        assert sorted(free_pages + cached_pages + owned) == list(range(self.num_pages))
-        if not self.running:
-            mgr.check_integrity()
+            handle = req.cache_handle
+            row = self.page_table[req.table_idx, : handle.cached_len : ps].tolist()
+            assert all(self.computed_for[s // ps] == handle.salt for s in row)
 
 
 MANAGER_SETTINGS = settings(max_examples=25, stateful_step_count=30, derandomize=True,
