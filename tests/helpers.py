@@ -1,8 +1,8 @@
-"""Helpers that the tests of several chapters share: a global Context for a block (chapters
-1-5), a model that records its logits and HF's cached greedy reference (3-5), the batches the
-scheduler logged (8, 15), chat answers from the server and what a killed one leaves behind
-(15-16), TP ranks on real processes (16, 20), a `--shell` session (18-20) and the fake GPU
-libraries (19-20).
+"""Helpers that the tests (and some mains) of several chapters share: a global Context for a
+block (chapters 1-5), a model that records its logits and HF's cached greedy reference (3-5),
+the batches the scheduler logged (8, 15), chat answers from the server, one question asked of a
+fresh server (the mains of 17-19) and what a killed one leaves behind (15-16), TP ranks on real
+processes (16, 20), a `--shell` session (18-20) and the fake GPU libraries (19-20).
 
 It imports minisgl and serving only where a helper runs, so that it loads in every tree that
 holds it."""
@@ -102,6 +102,24 @@ def chat_answer(client: openai.OpenAI, chat: list[dict[str, str]], stream: bool,
     if not stream:
         return out.choices[0].message.content
     return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+
+
+def ask_server(model: Path, tmp: Path, question: str, *flags: str,
+               max_tokens: int) -> tuple[str, int, Server]:
+    """Start `python -m minisgl` on `model` with `flags`, stream its greedy answer to one
+    question (EOS ends it) and stop it: the answer, the exit code and the stopped server (its
+    log and the pids it had)."""
+    from serving import Server
+
+    server = Server(model, tmp, *flags)
+    try:
+        server.wait_ready()
+        chat = [{"role": "user", "content": question}]
+        text = chat_answer(server.client(), chat, stream=True, max_tokens=max_tokens,
+                           ignore_eos=False)
+    finally:
+        code = server.stop()
+    return text, code, server
 
 
 def assert_cleaned_up_after_kill(server: Server, name: str, tmp_path: Path,

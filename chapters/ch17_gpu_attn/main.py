@@ -79,17 +79,12 @@ def main() -> None:
 def serve(backend: str, question: str, expected: str) -> None:
     """The same pair behind `python -m minisgl --attn`, one streamed chat over HTTP."""
     sys.path.insert(0, str(Path("tests").resolve()))
-    from helpers import chat_answer
-    from serving import Server, gone  # the server harness of the tests
+    from helpers import ask_server
+    from serving import gone  # the server harness of the tests
 
     with tempfile.TemporaryDirectory() as tmp:
-        server = Server(MODEL, Path(tmp), "--attn", backend)
-        try:
-            server.wait_ready()
-            chat = [{"role": "user", "content": question}]
-            text = chat_answer(server.client(), chat, stream=True, max_tokens=16, ignore_eos=False)
-        finally:
-            code = server.stop()
+        text, code, server = ask_server(MODEL, Path(tmp), question, "--attn", backend,
+                                        max_tokens=16)
         print(f"python -m minisgl --attn {backend}: streamed {text!r}; same as offline: "
               f"{text == expected}; exit code {code}, all {len(server.pids())} processes "
               f"gone: {gone(server.pids(), 10)}")

@@ -48,17 +48,12 @@ def generate(prompts: list[list[int]], max_bs: int) -> tuple[list[list[int]], Co
 
 def serve(question: str) -> None:
     sys.path.insert(0, str(Path("tests").resolve()))
-    from helpers import chat_answer
-    from serving import Server, gone  # the server harness of the tests
+    from helpers import ask_server
+    from serving import gone  # the server harness of the tests
 
     with tempfile.TemporaryDirectory() as tmp:
-        server = Server(MODEL, Path(tmp), "--cuda-graph-max-bs", "4")
-        try:
-            server.wait_ready()
-            chat = [{"role": "user", "content": question}]
-            text = chat_answer(server.client(), chat, stream=True, max_tokens=16, ignore_eos=False)
-        finally:
-            code = server.stop()
+        text, code, server = ask_server(MODEL, Path(tmp), question, "--cuda-graph-max-bs", "4",
+                                        max_tokens=16)
         logged = [re.sub(r"\d+\.\d+ s", "_ s", line.split(": ", 1)[1])
                   for line in server.log.read_text().splitlines() if "graphs (" in line]
         print(f"python -m minisgl --cuda-graph-max-bs 4: log {logged}")

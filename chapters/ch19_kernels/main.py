@@ -97,18 +97,12 @@ def generate(prompt: list[int], mode: str) -> tuple[list[int], Counter]:
 def serve(question: str) -> str:
     """The server, its scheduler on our kernels (emulated): one streamed chat answer."""
     sys.path.insert(0, str(Path("tests").resolve()))
-    from helpers import chat_answer
-    from serving import Server, gone  # the server harness of the tests
+    from helpers import ask_server
+    from serving import gone  # the server harness of the tests
 
     os.environ["MINISGL_KERNELS"] = "cuda"  # the server's processes inherit it
     with tempfile.TemporaryDirectory() as tmp:
-        server = Server(MODEL, Path(tmp))
-        try:
-            server.wait_ready()
-            chat = [{"role": "user", "content": question}]
-            text = chat_answer(server.client(), chat, stream=True, max_tokens=12, ignore_eos=False)
-        finally:
-            code = server.stop()
+        text, code, server = ask_server(MODEL, Path(tmp), question, max_tokens=12)
         print(f"MINISGL_KERNELS=cuda python -m minisgl: exit code {code}, all processes gone: "
               f"{gone(server.pids(), 10)}")
     return text
