@@ -446,6 +446,31 @@ def test_count_markers_are_written_by_pages_and_checked(repo: Path) -> None:
     assert steps_cmd(repo, "check", "--no-run").returncode == 0
 
 
+def test_code_markers_skip_comments_and_sum_folders_and_lists(repo: Path) -> None:
+    # naive.py: 3 lines of code (the docstring counts) plus a comment and a blank line
+    edit(repo, "chapters/ch00_a/naive.py", "def greet", "# a comment\n\ndef greet")
+    steps_ok(repo, ["record", "0"])
+    marked = ("<!-- n: code 0:naive.py -->9<!-- /n -->, "
+              "<!-- n: nonblank 0:naive.py -->9<!-- /n -->, "
+              "<!-- n: code 0:naive.py,naive.py -->9<!-- /n -->, "
+              "<!-- n: code 0:minisgl -->9<!-- /n -->, "
+              "<!-- n: code 0:minisgl/__init__.py,minisgl/util.py -->9<!-- /n -->"
+              "\n\n## 运行结果")
+    edit(repo, "docs/ch00-a.md", "## 运行结果", marked)
+    steps_ok(repo, ["pages", "0"])
+    page = (repo / "docs/ch00-a.md").read_text(encoding="utf-8")
+    assert "<!-- n: code 0:naive.py -->3<!-- /n -->" in page
+    assert "<!-- n: nonblank 0:naive.py -->4<!-- /n -->" in page
+    assert "<!-- n: code 0:naive.py,naive.py -->6<!-- /n -->" in page
+    folder = re.search(r"<!-- n: code 0:minisgl -->(\d+)<!-- /n -->", page)
+    listed = re.search(r"<!-- n: code 0:minisgl/__init__.py,minisgl/util.py -->(\d+)<!-- /n",
+                       page)
+    assert folder and listed and folder[1] == listed[1] != "9"  # the folder: its two .py files
+    assert steps_cmd(repo, "check", "--no-run").returncode == 0
+    edit(repo, "docs/ch00-a.md", "code 0:naive.py,naive.py", "code 0:naive.py,nope.py")
+    check_fails(repo, "--no-run", expect={(0, 5)}, message="tree 0 has no nope.py")
+
+
 def test_a_cases_marker_counts_what_pytest_collects_and_is_checked_when_run(repo: Path) -> None:
     # tree 0's test file gains a test parametrized three ways: 2 functions, 4 cases
     param = "import pytest\n\n\n@pytest.mark.parametrize('n', [1, 2, 3])\ndef test_n(n):\n"

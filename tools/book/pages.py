@@ -4,10 +4,12 @@ count markers (chapter 0).
 A page shows code only through include lines (`--8<-- "N:path#name"`, expanded by
 tools/mkdocs_hooks.py) and shows tree N between `<!-- tree: begin -->` and `<!-- tree: end -->`.
 A number that describes a tree is written `<!-- n: KIND N:path -->VALUE<!-- /n -->` (KIND `lines`:
-the file's lines; `nonblank`: those with text; `tests`: its test functions; `cases`: the test
-cases pytest collects from a test file or folder of tree N, parametrized ones counted apart), so
-`steps.py pages` writes VALUE and `check` fails when it is stale (`cases` needs pytest to run:
-not checked under `--no-run`).
+the file's lines; `nonblank`: those with text; `code`: those with text that are not comments
+(docstrings count); `tests`: its test functions; `cases`: the test cases pytest collects from a
+test file or folder of tree N, parametrized ones counted apart), so `steps.py pages` writes VALUE
+and `check` fails when it is stale (`cases` needs pytest to run: not checked under `--no-run`).
+Except for `cases`, path may name a folder of tree N (its .py files) or several paths joined by
+commas, and the count is their sum.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import re
 import textwrap
 from dataclasses import dataclass
 
-from book.manifest import MARKS, Book, Chapter, StepsError
+from book.manifest import MARKS, Book, Chapter, StepsError, TreeFile
 
 TREE_BEGIN, TREE_END = "<!-- tree: begin -->", "<!-- tree: end -->"
 ILLUSTRATION = "<!-- illustration -->"
@@ -26,7 +28,7 @@ INCLUDE_RE = re.compile(r'^(\s*)--8<--\s+"([^"]*)"\s*$')
 INCLUDE_SPEC_RE = re.compile(r"(repo|\d+):([^#]+?)(?:#([\w.]+)|:(\d+):(\d+))?")
 FENCE_RE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
 COUNT_RE = re.compile(r"<!-- n: (\w+) (\d+):(\S+) -->([^<]*)<!-- /n -->")
-COUNT_KINDS = ("lines", "nonblank", "tests", "cases")
+COUNT_KINDS = ("lines", "nonblank", "code", "tests", "cases")
 CASES_RE = re.compile(r"^(\d+) tests? collected", re.M)
 _CASES: dict[tuple[str, int, str], str] = {}  # (root, N, path) -> cases, once per process
 
@@ -248,19 +250,36 @@ def count_value(book: Book, kind: str, number: int, rel: str) -> str:
         raise StepsError(f"unknown count `{kind}` (known: {', '.join(COUNT_KINDS)})")
     if kind == "cases":
         return collected_cases(book, number, rel)
-    f = book.get(number).file(rel)
-    if f is None:
-        raise StepsError(f"tree {number} has no {rel} (see `steps.py tree {number}`)")
-    text = book.content(book.get(number), f).decode("utf-8", "replace")
-    if kind in ("lines", "nonblank"):
-        rows = text.splitlines()
-        return f"{len(rows if kind == 'lines' else [r for r in rows if r.strip()]):,}"
-    try:
-        nodes = list(ast.walk(ast.parse(text)))
-    except SyntaxError as exc:
-        raise StepsError(f"tree {number}: {rel}: cannot parse: {exc}") from None
+    chapter = book.get(number)
+    texts = [book.content(chapter, f).decode("utf-8", "replace")
+             for f in tree_files(chapter, rel, number)]
+    if kind in ("lines", "nonblank", "code"):
+        keep = {"lines": lambda r: True, "nonblank": lambda r: bool(r.strip()),
+                "code": lambda r: bool(r.strip()) and not r.lstrip().startswith("#")}[kind]
+        return f"{sum(keep(r) for text in texts for r in text.splitlines()):,}"
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
-    return f"{sum(isinstance(n, kinds) and n.name.startswith('test_') for n in nodes):,}"
+    tests = 0
+    for path, text in zip(rel.split(","), texts):
+        try:
+            nodes = list(ast.walk(ast.parse(text)))
+        except SyntaxError as exc:
+            raise StepsError(f"tree {number}: {path}: cannot parse: {exc}") from None
+        tests += sum(isinstance(n, kinds) and n.name.startswith("test_") for n in nodes)
+    return f"{tests:,}"
+
+
+def tree_files(chapter: Chapter, rel: str, number: int) -> list[TreeFile]:
+    """The files of tree N that `rel` names: a file, a folder (its .py files), or several
+    of these joined by commas."""
+    out: list[TreeFile] = []
+    for path in rel.split(","):
+        f = chapter.file(path)
+        inside = [g for g in chapter.files
+                  if g.path.startswith(path.rstrip("/") + "/") and g.path.endswith(".py")]
+        if f is None and not inside:
+            raise StepsError(f"tree {number} has no {path} (see `steps.py tree {number}`)")
+        out += [f] if f is not None else sorted(inside, key=lambda g: g.path)
+    return out
 
 
 def fill_counts(
