@@ -5,6 +5,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -49,6 +50,20 @@ def wait_healthy(base: str, server: subprocess.Popen, timeout_s: float = 300) ->
     raise SystemExit(f"the server did not become healthy (exit code {server.poll()})")
 
 
+def raw_stream(base: str, chat: list[dict[str, str]], max_tokens: int) -> list[str]:
+    """The lines of one streamed chat completion as they come over the wire, but for the
+    fields every event repeats (id, object, created, model), shown once as `…`."""
+    body = {"model": "any", "messages": chat, "temperature": 0, "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        text = r.read().decode()
+    text = re.sub(r'"id": "chatcmpl-[0-9a-f]{32}", "object": "chat.completion.chunk", '
+                  r'"created": \d+, "model": "[^"]*"', "…", text)
+    return text.split("\n")[:-1]  # the last event's blank line ends the text
+
+
 def main() -> None:
     port, tmp = free_port(), tempfile.mkdtemp(prefix="ch15-")
     env = dict(os.environ, TMPDIR=tmp)  # the server's ipc folder goes there: easy to check
@@ -73,6 +88,10 @@ def main() -> None:
     print(f"streaming: {len(chunks)} chunks, role {chunks[0].choices[0].delta.role!r} first, "
           f"usage chunk last {chunks[-1].usage.total_tokens} tokens; same text: "
           f"{text == whole.choices[0].message.content}")
+    print("the same chat streamed, max_tokens 2, line by line as sent (… for id, object, "
+          "created, model):")
+    for line in raw_stream(base, chat, max_tokens=2):
+        print(f"  | {line}".rstrip())
 
     def ask(question: str) -> tuple[str, str]:
         reply = client.chat.completions.create(model="any", temperature=0, max_tokens=MAX_TOKENS,
