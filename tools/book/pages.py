@@ -251,19 +251,19 @@ def count_value(book: Book, kind: str, number: int, rel: str) -> str:
     if kind == "cases":
         return collected_cases(book, number, rel)
     chapter = book.get(number)
-    texts = [book.content(chapter, f).decode("utf-8", "replace")
-             for f in tree_files(chapter, rel, number)]
+    files = tree_files(chapter, rel, number)
+    texts = [book.content(chapter, f).decode("utf-8", "replace") for f in files]
     if kind in ("lines", "nonblank", "code"):
         keep = {"lines": lambda r: True, "nonblank": lambda r: bool(r.strip()),
                 "code": lambda r: bool(r.strip()) and not r.lstrip().startswith("#")}[kind]
         return f"{sum(keep(r) for text in texts for r in text.splitlines()):,}"
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
     tests = 0
-    for path, text in zip(rel.split(","), texts):
+    for f, text in zip(files, texts):
         try:
             nodes = list(ast.walk(ast.parse(text)))
         except SyntaxError as exc:
-            raise StepsError(f"tree {number}: {path}: cannot parse: {exc}") from None
+            raise StepsError(f"tree {number}: {f.path}: cannot parse: {exc}") from None
         tests += sum(isinstance(n, kinds) and n.name.startswith("test_") for n in nodes)
     return f"{tests:,}"
 
