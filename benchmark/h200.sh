@@ -11,7 +11,7 @@ set -uo pipefail
 PART=$1 OUT=$2
 Q06=${Q06:-/tmp/q06} OFFICIAL=${OFFICIAL:?the official python/ folder at 20fcd7f}
 export PYTHONUNBUFFERED=1
-quiet() { grep --line-buffered -iv "loading weights\|capturing graphs\|it/s\]\|s/it\]"; }
+quiet() { stdbuf -oL tr "\r" "\n" | grep --line-buffered -iv "loading weights\|capturing graphs\|it/s\]\|s/it\]"; }
 [ -f "$Q06/config.json" ] || python tools/models.py random --arch qwen3 --preset 0.6b \
     --out "$Q06" --dtype bfloat16 --device cuda 2>&1 | tail -1
 
