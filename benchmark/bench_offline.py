@@ -512,13 +512,19 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def ratios(rows: list[dict[str, Any]]) -> str:
-    """ours / official output tok/s, round by round (both ran the same draw in a round)."""
-    by = {r["config"].split(":")[0]: r for r in rows}
-    if "ours" not in by or "official" not in by:
+    """ours / official output tok/s, round by round (both ran the same draw in a round); a line
+    per configuration of ours, named when there are several."""
+    ours = [r for r in rows if r["config"].startswith("ours")]
+    official = next((r for r in rows if r["config"].startswith("official")), None)
+    if not ours or official is None:
         return ""
-    per = [a / b for a, b in zip(by["ours"]["tok_s_all"], by["official"]["tok_s_all"])]
-    return (f"ours / official per round: {' '.join(f'{x:.3f}' for x in per)}; median "
-            f"{statistics.median(per):.3f}")
+    lines = []
+    for row in ours:
+        per = [a / b for a, b in zip(row["tok_s_all"], official["tok_s_all"])]
+        name = "ours" if len(ours) == 1 else row["config"]
+        lines.append(f"{name} / official per round: {' '.join(f'{x:.3f}' for x in per)}; "
+                     f"median {statistics.median(per):.3f}")
+    return "\n".join(lines)
 
 
 def machine() -> str:

@@ -1,6 +1,7 @@
-"""Chapter 22's H200 comparison, run small on the CPU: benchmark/eos_model.py gives a random-weight
-model an EOS token its weights do emit, and benchmark/bench_offline.py --eos runs greedy requests
-that stop there, ours by expected need beside ours conservatively, on one small pool."""
+"""Chapter 22's GPU comparison, run small on the CPU: benchmark/eos_model.py gives a random-weight
+model an EOS token that ends about half its outputs (a token its weights emit, its LM-head row
+scaled), and benchmark/bench_offline.py --eos runs greedy requests that stop there, ours by
+expected need beside ours conservatively, on one small pool."""
 
 from __future__ import annotations
 
@@ -21,13 +22,20 @@ WORKLOAD = ["--requests", "32", "--input-len", "8", "32", "--output-len", "64", 
 
 
 def test_the_eos_is_the_token_that_ends_the_most_outputs() -> None:
-    choose = runpy.run_path(str(FOLDER / "eos_model.py"))["choose"]
+    tool = runpy.run_path(str(FOLDER / "eos_model.py"))
+    choose, bisect = tool["choose"], tool["bisect"]
     # 9 is in all four after position 0; 5 and 6 start outputs (they would end them empty)
     assert choose([[5, 7, 9, 1], [5, 9, 7, 2], [6, 9, 3, 3], [5, 2, 9, 8]], 1) == (9, [2, 1, 1, 2])
     # all of 2..5 end both outputs: the target picks the one whose stop is nearest
     assert choose([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]], 3)[0] == 4
     with pytest.raises(SystemExit, match="probe more"):
         choose([[1], [1]], 1)
+    # only ids in [low, high): 9 is below, 7 is the one left that never starts an output
+    assert choose([[5, 7, 9, 1], [5, 9, 7, 2]], 1, low=6, high=9)[0] == 7
+    # the factor: doubled until the median stop is at or below the target, then halved between
+    factor, median = bisect(lambda f: 100 / f, 10, 6)
+    assert abs(factor - 10) < 0.2 and abs(median - 10) < 0.2
+    assert bisect(lambda f: 3.0, 10, 6) == (1.0, 3.0)  # already below: no scaling
 
 
 def test_both_admissions_stop_at_the_new_eos_with_the_same_tokens(
@@ -38,8 +46,11 @@ def test_both_admissions_stop_at_the_new_eos_with_the_same_tokens(
                            "--probe", "64", "--target", "16"],
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
-    token = int(re.search(r"EOS is now token (\d+)", made.stdout).group(1))  # type: ignore[union-attr]
+    found = re.search(r"EOS is now token (\d+).* ends (\d+) of 32 outputs", made.stdout)
+    assert found, made.stdout[-2000:]
+    token, ended = map(int, found.groups())
     assert AutoTokenizer.from_pretrained(model).eos_token_id == token
+    assert ended >= 17, made.stdout  # a finite median stop (near --target 16): most end early
     configs = ["ours:torch:eager:on", "ours:torch:eager:on:conservative"]
     ran = subprocess.run([sys.executable, str(FOLDER / "bench_offline.py"), "--model", str(model),
                           *WORKLOAD, "--eos", "--pool", "700", "--rounds", "1", "--group",
