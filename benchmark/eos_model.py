@@ -14,7 +14,9 @@ ends few of them. Its row of the LM head is then scaled by a factor found by bis
 outputs generated again for each factor) until the median over all outputs of where it first
 appears, counting outputs without it as never, is nearest `--target`: a larger row makes the
 token win sooner, and until it wins an output is unchanged, so each output's stop only moves
-earlier as the factor grows.
+earlier as the factor grows (to the first token: some outputs may then end empty). The first
+`--requests` prompts of a larger draw are the same prompts, so a probe of fewer requests than
+the benchmark runs stands for it.
 The new folder links the other files, rewrites the weights file that holds that row (with tied
 embeddings, the embedding row: the token is never an input before it ends its request) and
 changes the tokenizer's `eos_token`: both engines read the weights and take the EOS from the

@@ -116,7 +116,8 @@ admission)  # chapter 22: greedy requests that stop at an EOS both engines honou
     # random weights do emit, chosen by eos_model.py), max_tokens far above where they stop; ours
     # by expected need, ours conservatively, and the official, one pool each, in turns
     # (REQUESTS, ROUNDS, POOL: 1024, 3, 150000 unless set)
-    python benchmark/eos_model.py --model "$Q06" --out /tmp/q06eos --requests "${REQUESTS:-1024}" \
+    # (the EOS row's factor is probed on the draw's first 128 prompts: ~14 generations of 256)
+    python benchmark/eos_model.py --model "$Q06" --out /tmp/q06eos --requests 128 \
         --input-len 100 1024 --output-len 512 1024 2>&1 | quiet | tee "$OUT/ch22_admission.txt"
     python benchmark/bench_offline.py --model /tmp/q06eos --official "$OFFICIAL" \
         --rounds "${ROUNDS:-3}" --requests "${REQUESTS:-1024}" --input-len 100 1024 \
