@@ -39,18 +39,22 @@ def _create_flash_attention(config: ModelConfig) -> BaseAttnBackend:
 
 
 GPU_ONLY = ("fi", "fa")  # FlashInfer and FlashAttention: half-precision kernels only
+# FlashInfer's prefill kernel takes no head_dim below 64 (KernelTraits::IsInvalid in its
+# attention/prefill.cuh: fewer than 4 MMA tiles of 16 along the head fail at the first prefill)
+FI_MIN_HEAD_DIM = 64
 
 
-def resolve_backend_name(name: str, device: torch.device,
-                         dtype: torch.dtype | None = None) -> str:
-    """`auto` picks by GPU generation, by what is installed and by the model's dtype, and says
-    so in one log line: Hopper (sm90) with sgl-kernel and FlashInfer -> `fa,fi`; a GPU with
-    FlashInfer -> `fi`; the CPU, a GPU without FlashInfer, or a float32 model -> `torch`. Any
-    other name is checked here, when the engine starts: a typo fails with the list of names, a
-    GPU backend asked to run a float32 model on a GPU with the remedy (on the CPU, the fakes
-    that stand in for them compute in float32)."""
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | None = None,
+                         head_dim: int | None = None) -> str:
+    """`auto` picks by GPU generation, by what is installed and by the model's dtype and head
+    size, and says so in one log line: Hopper (sm90) with sgl-kernel and FlashInfer -> `fa,fi`;
+    a GPU with FlashInfer -> `fi`; the CPU, a GPU without FlashInfer, a float32 model or a
+    head_dim below 64 -> `torch`. Any other name is checked here, when the engine starts: a typo
+    fails with the list of names, a GPU backend asked to run a float32 model on a GPU, or `fi`
+    to prefill heads below 64 there, with the remedy (on the CPU, the fakes that stand in for
+    them compute in float32 at any head size)."""
     if name == "auto":
-        name, why = _auto(device, dtype)
+        name, why = _auto(device, dtype, head_dim)
         slow = device.type == "cuda" and name == "torch" and dtype != torch.float32
         logger.log(logging.WARNING if slow else logging.INFO, "attention: --attn auto -> %s (%s)",
                    name, why)
@@ -64,14 +68,22 @@ def resolve_backend_name(name: str, device: torch.device,
         raise ValueError(f"--attn {name!r}: FlashInfer and FlashAttention have no float32 "
                          "kernels; use --attn torch (or auto) for a float32 model, or load it "
                          "in bfloat16")
+    if device.type == "cuda" and head_dim is not None and head_dim < FI_MIN_HEAD_DIM \
+            and parts[0] == "fi":
+        raise ValueError(f"--attn {name!r}: FlashInfer's prefill has no kernels for head_dim "
+                         f"{head_dim} (it needs {FI_MIN_HEAD_DIM} or more); use --attn torch "
+                         "(or auto)")
     return name
 
 
-def _auto(device: torch.device, dtype: torch.dtype | None) -> tuple[str, str]:
+def _auto(device: torch.device, dtype: torch.dtype | None,
+          head_dim: int | None) -> tuple[str, str]:
     if device.type != "cuda":
         return "torch", f"no GPU kernels on {device.type}"
     if dtype == torch.float32:
         return "torch", "float32: FlashInfer and FlashAttention have no float32 kernels"
+    if head_dim is not None and head_dim < FI_MIN_HEAD_DIM:
+        return "torch", f"head_dim {head_dim}: FlashInfer's prefill needs {FI_MIN_HEAD_DIM} or more"
     if importlib.util.find_spec("flashinfer") is None:
         return "torch", "flashinfer is not installed: pip install flashinfer-python==0.5.3"
     major, minor = torch.cuda.get_device_capability(device)

@@ -78,7 +78,8 @@ class Engine:
         self.local_config = model_config = local_config(config.model_config, tp)
         free_before = self._free_memory()
         agree_free_memory(free_before)  # refuses ranks too far apart before any work
-        backend = resolve_backend_name(config.attention_backend, self.device, self.dtype)
+        backend = resolve_backend_name(config.attention_backend, self.device, self.dtype,
+                                       head_dim=model_config.head_dim)
         logger.info("kernels: %s", kernel.describe(self.device))
         self.moe_backend: BaseMoeBackend | None = None
         if model_config.num_experts:  # before the weights: a missing Triton is said at once
