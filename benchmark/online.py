@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     began = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
-    engines = [Engine(name, Path(path).resolve(), a.base_port + i)
+    # ports 10 apart: the official's torch.distributed store listens on its HTTP port + 1
+    engines = [Engine(name, Path(path).resolve(), a.base_port + 10 * i)
                for i, (name, _, path) in enumerate(e.partition("=") for e in a.engine)]
     from transformers import AutoTokenizer
 
