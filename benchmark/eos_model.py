@@ -113,8 +113,12 @@ def write_folder(src: Path, dst: Path, token: int, text: str, factor: float) -> 
     from safetensors.torch import load_file, save_file
 
     key = head_key(src)
-    holder = next((f for f in sorted(src.glob("*.safetensors"))
-                   if key in safe_open(str(f), "pt").keys()), None)
+
+    def holds(f: Path) -> bool:
+        with safe_open(str(f), "pt") as opened:
+            return key in opened.keys()
+
+    holder = next((f for f in sorted(src.glob("*.safetensors")) if holds(f)), None)
     if holder is None:
         raise SystemExit(f"no *.safetensors file in {src} holds {key}")
     shutil.rmtree(dst, ignore_errors=True)
@@ -155,15 +159,18 @@ def main() -> None:
         def generate() -> list[list[int]]:
             return [list(o["token_ids"]) for o in llm.generate(prompts, params)]  # type: ignore[arg-type]
 
-        token, _ = choose(generate(), args.target, low=args.max_id + 1,
+        unscaled = generate()
+        token, _ = choose(unscaled, args.target, low=args.max_id + 1,
                           high=len(llm.tokenizer))  # ids past the tokenizer's have no text
         model = llm.engine.model
         tied = head_key(src).startswith("model.")
         weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
         row = weight[token].clone()
-        seen: dict[float, list[float]] = {}
+        seen: dict[float, list[float]] = {1.0: stops(unscaled, token)}  # no second probe
 
         def measure(factor: float) -> float:
+            if factor in seen:
+                return statistics.median(seen[factor])
             with torch.no_grad():
                 weight[token] = scaled(row, factor)
             seen[factor] = stops(generate(), token)
