@@ -92,14 +92,17 @@ tp2)  # chapter 16 on two GPUs (issue "11 ·"): TP=2 against TP=1, the server at
     python tools/gpu_tp.py --model "$Q06" 2>&1 | quiet | tee "$OUT/ch16_tp2.txt"
     ;;
 online)  # both servers side by side, rounds in turns: 1/16/64/256 in flight, two Poisson rates
+    # (PAGES: each server's KV pool, 450000 unless set; two of those do not fit an H100: 250000)
     python benchmark/online.py --model "$Q06" --engine ours=$PWD/python --engine official=$OFFICIAL \
-        --rounds 3 --concurrency 1 16 64 256 --rates 16 32 --prompts-per-slot 2 --rate-seconds 6 \
+        --num-pages "${PAGES:-450000}" --rounds 3 --concurrency 1 16 64 256 --rates 16 32 \
+        --prompts-per-slot 2 --rate-seconds 6 \
         --step-timer --deadline "${DEADLINE:-0}" \
         --out "$OUT/online" 2>&1 | quiet | tee "$OUT/ch21_online.txt"
     ;;
 launch)  # where ours's prefill launch spends its host time under load (a diagnostic, not timed)
     python benchmark/online.py --model "$Q06" --engine ours=$PWD/python --engine official=$OFFICIAL \
-        --rounds 1 --concurrency 1 64 --rates 16 --prompts-per-slot 2 --rate-seconds 6 --trace \
+        --num-pages "${PAGES:-450000}" --rounds 1 --concurrency 1 64 --rates 16 \
+        --prompts-per-slot 2 --rate-seconds 6 --trace \
         --launch-profile 40 --profile 64 --out "$OUT/launch" 2>&1 | quiet | tee "$OUT/ch21_launch.txt"
     ;;
 serve)  # both servers under Poisson arrivals at 8 requests/s, then all 64 at once

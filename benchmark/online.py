@@ -10,8 +10,9 @@ A load is either N requests in flight (a closed loop: a new request as soon as o
 Poisson rate. Requests are chat completions of random text (`--input-len` tokens of random ids,
 decoded), streamed, `--output-len` tokens each with ignore_eos; every engine gets the same list
 in a round, and each round draws a new one (so no round finds the last one's prompts cached).
-Every server gets the same flags (`--server-args`). For each run the report keeps the client's
-metrics (bench_serving.py), the client's CPU seconds per second, and each server process's.
+Every server gets the same flags (`--server-args`, `--num-pages`). For each run the report keeps
+the client's metrics (bench_serving.py), the client's CPU seconds per second, and each server
+process's.
 
 `--profile N` then runs N in flight once more on each engine while py-spy samples every server
 process (native frames too) for `--profile-seconds`, and summarizes where each was busy.
@@ -328,9 +329,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", action="append", required=True, metavar="NAME=PYTHON_DIR",
                    help="a server to run: its name and the folder its minisgl is imported from; "
                    "the first is the one the others are compared with")
-    p.add_argument("--server-args", default="--attn fi --num-pages 450000 --cuda-graph-max-bs 256 "
+    p.add_argument("--server-args", default="--attn fi --cuda-graph-max-bs 256 "
                    "--max-running-requests 256 --max-prefill-length 8192 --page-size 1 "
                    "--max-seq-len-override 4096", help="flags every server gets")
+    p.add_argument("--num-pages", type=int, default=450000,
+                   help="every server's KV pool in tokens (0: each server's own choice); two "
+                   "pools of 450000 at the Qwen3-0.6B shape take about 103 GB of one GPU")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256])
     p.add_argument("--rates", type=float, nargs="*", default=[16.0, 40.0])
@@ -378,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     profiles: dict[str, Any] = {}
     try:
         for e in engines:
-            start(e, a.model, a.server_args.split(), a.out, a.trace, a.launch_profile,
+            pool = ["--num-pages", str(a.num_pages)] if a.num_pages else []
+            start(e, a.model, a.server_args.split() + pool, a.out, a.trace, a.launch_profile,
                   a.step_timer)
         for e in engines:
             wait_ready(e)

@@ -160,6 +160,7 @@ def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
     done = subprocess.run(
         [sys.executable, str(FOLDER / "online.py"), "--model", str(model_dir("tiny-qwen3")),
          "--engine", f"a={python}", "--engine", f"b={python}", "--server-args", "",
+         "--num-pages", "0",
          "--rounds", "2", "--concurrency", "2", "--rates", "8", "--rate-seconds", "0.5",
          "--min-prompts", "3", "--input-len", "8", "24", "--output-len", "4", "6", "--vocab",
          "500", "--trace", "--launch-profile", "3", "--out", str(out),
