@@ -187,5 +187,10 @@ class PrefillManager:
 
     @property
     def chunking(self) -> bool:
-        """A prompt is part-way through its prefill (the server gives decoding a turn then)."""
+        """A prompt is part-way through its prefill."""
         return bool(self.pending) and self.pending[0].chunked_req is not None
+
+    def filling_longer_than(self, tokens: int) -> bool:
+        """A prompt of more than `tokens` tokens is part-way through its prefill (the server
+        gives decoding a turn between its chunks)."""
+        return self.chunking and self.pending[0].input_len > tokens

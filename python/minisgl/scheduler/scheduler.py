@@ -225,11 +225,14 @@ class Scheduler:
 
     def _schedule_next_batch(self) -> ForwardInput | None:
         """Prefill first (new requests start early), else decode every running request. With
-        `decode_between_chunks` (the server's), while a prompt is prefilled in chunks the
-        running requests get every other step: a long prompt slows their streams instead of
-        stopping them."""
+        `decode_between_chunks` (the server's), while a prompt longer than a prefill step is
+        filled in chunks the running requests get every other step: a long prompt slows their
+        streams instead of stopping them. A wave of short prompts that merely spans a few
+        steps is filled back to back, one pause for the streams rather than one per chunk
+        (each such pause is a gap that the p99 inter-token gap counts)."""
         batch = None
-        if self.decode_between_chunks and self.decode_turn and self.prefill_manager.chunking:
+        if (self.decode_between_chunks and self.decode_turn
+                and self.prefill_manager.filling_longer_than(self.config.max_extend_tokens)):
             batch = self._schedule_decode()
         if batch is None and self.prefill_manager.runnable:
             # A prefill may reuse the table row of a request that finished while the batch now
