@@ -35,9 +35,9 @@ def lines_text(n: int, tag: str = "line") -> str:
     return "".join(f"{tag} {k}\n" for k in range(1, n + 1))
 
 
-def section(old: str, new: str, label: str = "tree04/a.py", context: int = 1) -> FileDelta:
+def section(old: str, new: str, label: str = "tree04/a.py") -> FileDelta:
     """The parsed section for one file changed from `old` (tree 3) to `new`."""
-    text = encode_delta(3, {"a.py": (old, new, label)}, context)
+    text = encode_delta(3, {"a.py": (old, new, label)})
     return parse_delta(text, PATCH)["a.py"]
 
 
@@ -47,9 +47,9 @@ def rebuild(fd: FileDelta, successor_text: str) -> str:
     )
 
 
-def round_trip(old: str, new: str, label: str = "tree04/a.py", context: int = 1) -> str:
+def round_trip(old: str, new: str, label: str = "tree04/a.py") -> str:
     """Encode old -> new, parse it back, apply it in reverse to `new`; return the patch."""
-    text = encode_delta(3, {"a.py": (old, new, label)}, context)
+    text = encode_delta(3, {"a.py": (old, new, label)})
     sections = parse_delta(text, PATCH)
     if old == new and label != DEV_NULL:
         assert text == "" and sections == {}
@@ -57,7 +57,17 @@ def round_trip(old: str, new: str, label: str = "tree04/a.py", context: int = 1)
     fd = sections["a.py"]
     assert (fd.old_label, fd.new_label) == ("tree03/a.py", label)
     assert rebuild(fd, new) == old
+    assert only_old_lines(text), text
+    assert not any(h.legacy for h in fd.hunks)
     return text
+
+
+def only_old_lines(text: str) -> bool:
+    """Whether every line of a section's body is a hunk header, a `-` line or the marker: no
+    `+` line (the successor's) and no context line."""
+    lines = text.split("\n")[:-1]  # on "\n" only, as the reader splits
+    body = [line for line in lines if not line.startswith(("--- ", "+++ ", "rename "))]
+    return all(line.startswith(("@@ ", "-", "\\ No newline")) for line in body)
 
 
 # ---------------------------------------------------------------------------- lines
@@ -85,16 +95,26 @@ def test_tree_label_pads_the_number() -> None:
 # ---------------------------------------------------------------------------- writing
 
 
-def test_encode_writes_the_standard_format() -> None:
+def encode(old: str, new: str, label: str = "tree04/x.py") -> str:
+    """The patch text for x.py changed from `old` (tree 3) to `new`, without its two labels."""
+    text = encode_delta(3, {"x.py": (old, new, label)})
+    head = f"--- tree03/x.py\n+++ {label}\n"
+    assert text.startswith(head)
+    return text[len(head) :]
+
+
+def test_encode_writes_the_header_and_tree_n_lines_only() -> None:
     old, new = "a\nb\nc\nd\n", "a\nB\nc\nd\n"
-    assert encode_delta(3, {"x.py": (old, new, "repo/x.py")}, context=1) == (
-        "--- tree03/x.py\n+++ repo/x.py\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
+    assert encode_delta(3, {"x.py": (old, new, "repo/x.py")}) == (
+        "--- tree03/x.py\n+++ repo/x.py\n@@ -2 +2 @@\n-b\n"  # no "+B", no context
     )
-    assert encode_delta(3, {"x.py": (old, new, "repo/x.py")}) == (  # record's: no context
-        "--- tree03/x.py\n+++ repo/x.py\n@@ -2 +2 @@\n-b\n+B\n"
-    )
-    one = encode_delta(3, {"x.py": ("a\n", "b\n", "tree04/x.py")})
-    assert one == "--- tree03/x.py\n+++ tree04/x.py\n@@ -1 +1 @@\n-a\n+b\n"
+    assert encode("a\n", "b\n") == "@@ -1 +1 @@\n-a\n"
+    assert encode("a\nb\n", "a\nB\nB2\n") == "@@ -2 +2,2 @@\n-b\n"
+    assert encode("a\nc\n", "a\nb\nc\n") == "@@ -1,0 +2 @@\n"  # only the successor has it
+    assert encode("a\nb\nc\n", "a\nc\n") == "@@ -2 +1,0 @@\n-b\n"  # only tree N has it
+    assert encode("x\na\n", "a\n") == "@@ -1 +0,0 @@\n-x\n"  # at the top of the file
+    # one hunk per run of differing lines, even with one equal line between two runs
+    assert encode("1\n2\n3\n4\n5\n", "1\nB\n3\nD\n5\n") == "@@ -2 +2 @@\n-2\n@@ -4 +4 @@\n-4\n"
 
 
 def test_encode_orders_sections_by_path_and_skips_identical_files() -> None:
@@ -113,8 +133,6 @@ def test_encode_orders_sections_by_path_and_skips_identical_files() -> None:
 def test_encode_refuses_text_for_dev_null_and_bad_arguments() -> None:
     with pytest.raises(ValueError, match="/dev/null"):
         encode_delta(3, {"a.py": ("x\n", "y\n", DEV_NULL)})
-    with pytest.raises(ValueError, match="context"):
-        encode_delta(3, {"a.py": ("x\n", "y\n", "tree04/a.py")}, context=-1)
     with pytest.raises(ValueError, match="bad path"):
         encode_delta(3, {"a\n.py": ("x\n", "y\n", "tree04/a.py")})
 
@@ -146,26 +164,41 @@ def test_empty_successor_and_empty_tree_file() -> None:
 
 
 @pytest.mark.parametrize(
-    ("old", "new"),
+    ("old", "new", "marker"),
     [
-        ("a\nb\nc", "a\nb\nc\n"),  # tree N lacks the final newline
-        ("a\nb\nc\n", "a\nb\nc"),  # the successor lacks it
-        ("a\nb\nc", "a\nB\nc"),  # both lack it; the last line is context
-        ("a\nb\nc", "a\nb\nd"),  # both lack it; the last line changes
-        ("x", "y"),
-        ("x", ""),
-        ("", "x"),
-        ("a\n" * 5 + "z", "a\n" * 5 + "z\nmore\n"),
+        ("a\nb\nc", "a\nb\nc\n", True),  # tree N lacks the final newline
+        ("a\nb\nc\n", "a\nb\nc", False),  # the successor lacks it: its lines are not stored
+        ("a\nb\nc", "a\nB\nc", False),  # both lack it; the last line is in no hunk
+        ("a\nb\nc", "a\nb\nd", True),  # both lack it; the last line changes
+        ("x", "y", True),
+        ("x", "", True),
+        ("", "x", False),
+        ("a\n" * 5 + "z", "a\n" * 5 + "z\nmore\n", True),
     ],
 )
-def test_missing_final_newline_survives(old: str, new: str) -> None:
+def test_missing_final_newline_survives(old: str, new: str, marker: bool) -> None:
     text = round_trip(old, new)
-    assert "\\ No newline at end of file\n" in text
+    assert ("\\ No newline at end of file\n" in text) == marker
 
 
 def test_no_newline_marker_is_written_after_the_line() -> None:
     text = encode_delta(3, {"a.py": ("a\nb", "a\nb\n", "tree04/a.py")})
-    assert text.endswith("@@ -2 +2 @@\n-b\n\\ No newline at end of file\n+b\n")
+    assert text.endswith("@@ -2 +2 @@\n-b\n\\ No newline at end of file\n")
+
+
+def test_a_change_only_in_the_final_newline() -> None:
+    # The successor lacks the final newline: the hunk's one "-" line reads like the successor's
+    # last line, and the difference is the "\n" that the "-" line has and the successor's lacks.
+    assert round_trip("a\nb\n", "a\nb") == "--- tree03/a.py\n+++ tree04/a.py\n@@ -2 +2 @@\n-b\n"
+    # Tree N lacks it: the marker follows the "-" line.
+    assert round_trip("a\nb", "a\nb\n") == (
+        "--- tree03/a.py\n+++ tree04/a.py\n@@ -2 +2 @@\n-b\n\\ No newline at end of file\n"
+    )
+    fd = section("a\nb\n", "a\nb")
+    assert rebuild(fd, "a\nb\n") == "a\nb\n"  # the successor got its newline back: tree N stays
+    fd = section("a\nb", "a\nb\n")
+    with pytest.raises(DeltaError, match=r"hunk 1 \(@@ -2 \+2 @@\) does not fit .* ends the file"):
+        rebuild(fd, "a\nb\nc\n")
 
 
 @pytest.mark.parametrize(
@@ -202,10 +235,14 @@ def test_multi_hunk_file() -> None:
     new_lines[-1] = "last, changed\n"
     new = "".join(new_lines)
     fd = section(old, new)
-    assert len(fd.hunks) == 4
+    assert [h.header for h in fd.hunks] == [
+        "@@ -3 +3 @@",
+        "@@ -16,3 +15,0 @@",
+        "@@ -33,0 +31 @@",
+        "@@ -40 +38 @@",
+    ]
     assert rebuild(fd, new) == old
-    for context in (0, 2, 3, 10):
-        round_trip(old, new, context=context)
+    round_trip(old, new)
 
 
 def test_several_files_in_one_patch() -> None:
@@ -271,89 +308,133 @@ def test_random_round_trips(seed: int) -> None:
     for _ in range(20):  # 10 seeds x 20 = 200 random pairs
         old = random_text(rng)
         new = random_edit(rng, old) if rng.random() < 0.8 else random_text(rng)
-        context = rng.choice([0, 1, 1, 1, 2, 3])
         label = DEV_NULL if not new and rng.random() < 0.5 else "tree04/a.py"
-        text = round_trip(old, new, label, context)
-        assert encode_delta(3, {"a.py": (old, new, label)}, context) == text  # deterministic
-        if new and old != new:  # every hunk has a line of the successor to check against
-            hunks = parse_delta(text, PATCH)["a.py"].hunks
-            assert all(h.new_lines() for h in hunks), text
+        text = round_trip(old, new, label)
+        assert encode_delta(3, {"a.py": (old, new, label)}) == text  # deterministic
+        if old == new and label != DEV_NULL:
+            continue
+        hunks = parse_delta(text, PATCH)["a.py"].hunks
+        assert sum(h.old_len for h in hunks) == text.count("\n-")  # only tree N's lines
+        # Applied to another text, the hunks give some text or a DeltaError, nothing else.
+        other = random_edit(rng, new) if rng.random() < 0.8 else random_text(rng)
+        try:
+            apply_reverse(other, hunks, patch=PATCH, path="a.py", successor=label)
+        except DeltaError as exc:
+            assert "does not fit" in str(exc) and "steps.py record" in str(exc)
 
 
-def test_context_0_keeps_an_anchor_only_where_a_hunk_has_no_successor_line() -> None:
+def test_hunks_hold_no_successor_line_and_no_context() -> None:
     old = lines_text(30)
     new = old.replace("line 5\n", "line five\n").replace("line 20\n", "")
-    text = encode_delta(3, {"a.py": (old, new, "tree04/a.py")}, context=0)
-    assert [h.header for h in parse_delta(text, PATCH)["a.py"].hunks] == [
-        "@@ -5 +5 @@",  # a replacement: its + line is the anchor, no context
-        "@@ -19,2 +19 @@",  # tree N's extra line 20 keeps line 19 before it
-    ]
-    top = encode_delta(3, {"a.py": ("extra\n" + old, old, "tree04/a.py")}, context=0)
-    assert parse_delta(top, PATCH)["a.py"].hunks[0].header == "@@ -1,2 +1 @@"  # the line after
+    text = encode_delta(3, {"a.py": (old, new, "tree04/a.py")})
+    assert text == (
+        "--- tree03/a.py\n+++ tree04/a.py\n"
+        "@@ -5 +5 @@\n-line 5\n"  # a replacement: tree N's line only
+        "@@ -20 +19,0 @@\n-line 20\n"  # tree N's extra line 20, after the successor's line 19
+    )
+    top = encode_delta(3, {"a.py": ("extra\n" + old, old, "tree04/a.py")})
+    assert top.endswith("@@ -1 +0,0 @@\n-extra\n")  # before the successor's first line
 
 
 # ---------------------------------------------------------------------------- stale deltas
 
+STALE = "the successor changed without its delta being re-derived (run `steps.py record`)"
 
-def test_stale_hunk_names_the_hunk_and_the_line() -> None:
+
+def test_a_hunk_outside_the_successor_names_the_hunk_and_the_lines() -> None:
     old = lines_text(30)
     new = old.replace("line 5\n", "line five\n").replace("line 20\n", "line twenty\n")
     fd = section(old, new)
-    assert [h.header for h in fd.hunks] == ["@@ -4,3 +4,3 @@", "@@ -19,3 +19,3 @@"]
-    edited = new.replace("line 21\n", "an edit nobody recorded\n")
+    assert [h.header for h in fd.hunks] == ["@@ -5 +5 @@", "@@ -20 +20 @@"]
     with pytest.raises(DeltaError) as info:
-        rebuild(fd, edited)
+        rebuild(fd, lines_text(15))  # the successor got shorter, nobody ran `record`
     assert str(info.value) == (
-        f"{PATCH}: a.py: hunk 2 (@@ -19,3 +19,3 @@) does not fit tree04/a.py: at line 21 it "
-        "expects 'line 21' but finds 'an edit nobody recorded'; the successor changed without "
-        "its delta being re-derived (run `steps.py record`)"
+        f"{PATCH}: a.py: hunk 2 (@@ -20 +20 @@) does not fit tree04/a.py: it replaces line 20, "
+        f"but the successor has 15 lines; {STALE}"
     )
+    fd = section(old, new.replace("line 11\n", "eleven\nand more\n"))
+    assert [h.header for h in fd.hunks] == ["@@ -5 +5 @@", "@@ -11 +11,2 @@", "@@ -20 +21 @@"]
+    with pytest.raises(DeltaError, match=r"hunk 2 \(@@ -11 \+11,2 @@\) does not fit tree04/a\.py: "
+                       r"it replaces lines 11 to 12, but the successor has 11 lines"):
+        rebuild(fd, lines_text(11))
 
 
-def test_no_offset_search_a_shifted_successor_fails() -> None:
+def test_no_content_check_a_stale_successor_gives_another_text() -> None:
+    # A hunk holds none of the successor's lines: where its ranges still fit, a changed
+    # successor gives another tree N, and tree N's digest (property 8) is what catches it.
     old = lines_text(30)
     new = old.replace("line 20\n", "line twenty\n")
     fd = section(old, new)
-    with pytest.raises(DeltaError, match=r"hunk 1 \(@@ -19,3 \+19,3 @@\).*at line 19"):
-        rebuild(fd, "a line added at the top\n" + new)
+    assert rebuild(fd, new.replace("line twenty", "line 20, edited")) == old  # inside the range
+    edited = new.replace("line 25\n", "an edit nobody recorded\n")  # outside it
+    assert rebuild(fd, edited) == old.replace("line 25\n", "an edit nobody recorded\n")
+    shifted = rebuild(fd, "a line added at the top\n" + new)  # no offset search
+    tail = "".join(f"line {k}\n" for k in range(21, 31))
+    assert shifted == "a line added at the top\n" + lines_text(18) + "line 20\nline twenty\n" + tail
 
 
 def test_stale_hunk_at_the_end_of_the_successor() -> None:
     old = lines_text(10)
     new = lines_text(9) + "line ten\n"
     fd = section(old, new)
-    with pytest.raises(DeltaError, match=r"at line 10 it expects 'line ten' but finds the end"):
+    with pytest.raises(DeltaError, match=r"replaces line 10, but the successor has 9 lines"):
         rebuild(fd, lines_text(9))
-    with pytest.raises(DeltaError, match=r"'line ten' \(no newline at end of file\)"):
-        rebuild(fd, lines_text(9) + "line ten")
+    assert rebuild(fd, lines_text(9) + "line ten") == old  # the replaced line's newline is moot
 
 
 def test_stale_hunk_that_ends_a_file_without_a_final_newline() -> None:
     fd = section("a\nb", "a\nb\n")
     assert rebuild(fd, "a\nb\n") == "a\nb"
-    with pytest.raises(DeltaError, match=r"ends the file, but the successor goes on at line 3"):
+    with pytest.raises(DeltaError) as info:
         rebuild(fd, "a\nb\nappended\n")
+    assert str(info.value) == (
+        f"{PATCH}: a.py: hunk 1 (@@ -2 +2 @@) does not fit tree04/a.py: the hunk ends the file, "
+        f"but the successor goes on at line 3 with 'appended'; {STALE}"
+    )
+
+
+def test_lines_after_a_successor_that_lost_its_final_newline_fail() -> None:
+    # Tree N has a line after the successor's last; that line lost its "\n" since: putting
+    # tree N's line after it would join the two lines.
+    fd = section("a\nb\nc\n", "a\nb\n")
+    assert [h.header for h in fd.hunks] == ["@@ -3 +2,0 @@"]
+    assert rebuild(fd, "a\nb\n") == "a\nb\nc\n"
+    with pytest.raises(DeltaError) as info:
+        rebuild(fd, "a\nb")
+    assert str(info.value) == (
+        f"{PATCH}: a.py: hunk 1 (@@ -3 +2,0 @@) does not fit tree04/a.py: it puts lines after "
+        f"line 2, the successor's last, which has no newline at end of file; {STALE}"
+    )
+    # A hunk that replaces that last line is fine: the successor's line is not kept.
+    fd = section("a\nb\nc\n", "a\nB")
+    assert rebuild(fd, "a\nB") == "a\nb\nc\n"
 
 
 def test_stale_pure_insertion_past_the_end_fails() -> None:
-    # record anchors such a hunk on the line before it; a patch written without one still
-    # parses, and applying it to a shorter successor fails
-    assert [h.header for h in section(lines_text(6), lines_text(5), context=0).hunks] == [
-        "@@ -5,2 +5 @@"
-    ]
-    text = "--- tree03/a.py\n+++ tree04/a.py\n@@ -6 +5,0 @@\n-line 6\n"
-    fd = parse_delta(text, PATCH)["a.py"]
+    # tree N's extra line 6 goes after the successor's line 5
+    fd = section(lines_text(6), lines_text(5))
+    assert [h.header for h in fd.hunks] == ["@@ -6 +5,0 @@"]
     assert rebuild(fd, lines_text(5)) == lines_text(6)
-    with pytest.raises(DeltaError, match=r"starts after line 5, but the successor has 3 lines"):
+    with pytest.raises(DeltaError, match=r"hunk 1 \(@@ -6 \+5,0 @@\) does not fit tree04/a\.py: it "
+                       r"goes after line 5, but the successor has 3 lines"):
         rebuild(fd, lines_text(3))
+    with pytest.raises(DeltaError, match=r"goes after line 5, but the successor has 1 line;"):
+        rebuild(fd, "x\n")
 
 
-def test_apply_refuses_hunks_out_of_order() -> None:
+def test_apply_refuses_hunks_out_of_order_or_overlapping() -> None:
     old = lines_text(30)
     new = old.replace("line 5\n", "5\n").replace("line 20\n", "20\n")
     fd = section(old, new)
-    with pytest.raises(DeltaError, match=r"hunk 2 \(@@ -4,3 \+4,3 @@\) is misnumbered"):
+    with pytest.raises(DeltaError, match=r"hunk 2 \(@@ -5 \+5 @@\) is misnumbered"):
         apply_reverse(new, fd.hunks[::-1], patch=PATCH, path="a.py", successor="tree04/a.py")
+    wide = Hunk("@@ -4,3 +4,3 @@", 4, 3, 4, 3, ("4\n", "5\n", "6\n"))
+    inner = Hunk("@@ -5 +5 @@", 5, 1, 5, 1, ("five\n",))
+    with pytest.raises(DeltaError, match=r"hunk 2 \(@@ -5 \+5 @@\) is misnumbered"):
+        apply_reverse(new, [wide, inner], patch=PATCH, path="a.py", successor="tree04/a.py")
+    short = Hunk("@@ -5,2 +5,2 @@", 5, 2, 5, 2, ("five\n",))  # fewer lines than it counts
+    with pytest.raises(DeltaError, match=r"hunk 1 \(@@ -5,2 \+5,2 @@\) is misnumbered"):
+        apply_reverse(new, [short], patch=PATCH, path="a.py", successor="tree04/a.py")
 
 
 # ---------------------------------------------------------------------------- the +++ label
@@ -375,16 +456,16 @@ def test_wrong_successor_label_names_both_labels() -> None:
 GOOD = (
     "--- tree03/a.py\n"
     "+++ tree04/a.py\n"
-    "@@ -2,3 +2,3 @@\n"
-    " 2\n"
+    "@@ -3 +3 @@\n"
     "-3\n"
-    "+three\n"
-    " 4\n"
-    "@@ -9,3 +9,4 @@\n"
-    " 9\n"
-    "+nine and a half\n"
-    " 10\n"
-    " 11\n"
+    "@@ -9,0 +10 @@\n"
+    "@@ -12,2 +13 @@\n"
+    "-12\n"
+    "-13\n"
+)
+GOOD_OLD = "".join(f"{k}\n" for k in range(1, 16))  # tree 3's a.py
+GOOD_NEW = GOOD_OLD.replace("3\n", "three\n", 1).replace("9\n", "9\n9.5\n").replace(
+    "12\n13\n", "twelve and thirteen\n"
 )
 
 
@@ -400,81 +481,78 @@ def test_the_good_patch_parses() -> None:
         "tree03/a.py",
         "tree04/a.py",
         (
-            Hunk(
-                "@@ -2,3 +2,3 @@",
-                2,
-                3,
-                2,
-                3,
-                ((" ", "2\n"), ("-", "3\n"), ("+", "three\n"), (" ", "4\n")),
-            ),
-            Hunk(
-                "@@ -9,3 +9,4 @@",
-                9,
-                3,
-                9,
-                4,
-                ((" ", "9\n"), ("+", "nine and a half\n"), (" ", "10\n"), (" ", "11\n")),
-            ),
+            Hunk("@@ -3 +3 @@", 3, 1, 3, 1, ("3\n",)),
+            Hunk("@@ -9,0 +10 @@", 9, 0, 10, 1, ()),
+            Hunk("@@ -12,2 +13 @@", 12, 2, 13, 1, ("12\n", "13\n")),
         ),
     )
+    assert rebuild(fd, GOOD_NEW) == GOOD_OLD
+    assert encode_delta(3, {"a.py": (GOOD_OLD, GOOD_NEW, "tree04/a.py")}) == GOOD
     assert parse_delta("", PATCH) == {}
 
 
 @pytest.mark.parametrize(
     ("header", "message"),
     [
-        ("@@ -9,3 +10,4 @@", r"a\.py: hunk 2 \(@@ -9,3 \+10,4 @@\) is misnumbered"),
-        ("@@ -3,3 +3,4 @@", r"a\.py: hunk 2 \(@@ -3,3 \+3,4 @@\) is misnumbered"),
-        ("@@ -0,3 +0,4 @@", r"a\.py: hunk 2 \(@@ -0,3 \+0,4 @@\) is misnumbered"),
+        ("@@ -9,0 +11 @@", r"a\.py: hunk 2 \(@@ -9,0 \+11 @@\) is misnumbered"),
+        ("@@ -2,0 +3 @@", r"a\.py: hunk 2 \(@@ -2,0 \+3 @@\) is misnumbered"),
+        ("@@ -0,0 +0,0 @@", r"a\.py: hunk 2 \(@@ -0,0 \+0,0 @@\) is misnumbered"),
     ],
 )
 def test_misnumbered_hunk_header_fails_in_the_reader(header: str, message: str) -> None:
-    bad(GOOD.replace("@@ -9,3 +9,4 @@", header), PATCH.replace(".", r"\.") + ":8: " + message)
+    bad(GOOD.replace("@@ -9,0 +10 @@", header), PATCH.replace(".", r"\.") + ":5: " + message)
 
 
 def test_misnumbered_first_hunk_fails_in_the_reader() -> None:
-    bad(GOOD.replace("@@ -2,3 +2,3 @@", "@@ -2,3 +3,3 @@"), r":3: a\.py: hunk 1 .* misnumbered")
+    bad(GOOD.replace("@@ -3 +3 @@", "@@ -3 +4 @@"), r":3: a\.py: hunk 1 .* misnumbered")
 
 
 def test_body_with_fewer_lines_than_the_header_fails() -> None:
-    text = GOOD.replace("@@ -2,3 +2,3 @@", "@@ -2,4 +2,4 @@")
+    text = GOOD.replace("@@ -3 +3 @@", "@@ -3,2 +3,2 @@")
     bad(
         text,
-        r":8: a\.py: hunk 1 \(@@ -2,4 \+2,4 @@\): its body has 3 old and 3 new lines where the "
-        r"header counts 4 and 4; found '@@ -9,3 \+9,4 @@'",
+        r":5: a\.py: hunk 1 \(@@ -3,2 \+3,2 @@\): its body has 1 of the 2 '-' lines its header "
+        r"counts; found '@@ -9,0 \+10 @@'",
     )
-    bad(GOOD[: GOOD.index(" 11\n")], r":12: a\.py: hunk 2 .* found the end of the patch")
+    bad(GOOD[: GOOD.index("-13\n")], r":8: a\.py: hunk 3 .* found the end of the patch")
 
 
 def test_body_with_more_lines_than_the_header_fails() -> None:
-    bad(GOOD.replace("@@ -2,3 +2,3 @@", "@@ -2,2 +2,3 @@"), r"hunk 1 .* more old lines")
-    bad(GOOD + " 12\n", r":13: a\.py: hunk 2 .* has more lines than its header counts: ' 12'")
-    bad(GOOD.replace("+three\n", "+three\n+tres\n"), r"hunk 1 .* more new lines")
+    bad(GOOD + "-14\n", r":9: a\.py: hunk 3 \(@@ -12,2 \+13 @@\) has more lines than its header "
+        r"counts: '-14'")
+    bad(GOOD.replace("@@ -3 +3 @@", "@@ -2,0 +3 @@"), r":4: a\.py: hunk 1 .* has more lines")
+    bad(
+        GOOD.replace("@@ -9,0 +10 @@\n", "@@ -9,0 +10 @@\n-9\n"),
+        r":6: a\.py: hunk 2 \(@@ -9,0 \+10 @@\) has more lines than its header counts: '-9'",
+    )
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("garbage\n" + GOOD, r":1: expected a '--- treeNN/<path>' line, found 'garbage'"),
-        (GOOD + "garbage\n", r":13: a\.py: expected a hunk header .* found 'garbage'"),
-        (GOOD.replace(" 10\n", "?10\n"), r":11: a\.py: hunk 2 .* found '\?10'"),
-        (GOOD.replace(" 10\n", "\n"), r":11: a\.py: hunk 2 .* found ''"),
-        (GOOD.replace("@@ -2,3 +2,3 @@", "@@ -2,3 +2,3 @@ def f():"), r"bad hunk header"),
-        (GOOD.replace("@@ -2,3 +2,3 @@", "@@ -02,3 +2,3 @@"), r"bad hunk header"),
+        (GOOD + "garbage\n", r":9: a\.py: expected a hunk header .* found 'garbage'"),
+        (GOOD.replace("-12\n", "?12\n"), r":7: a\.py: hunk 3 .* found '\?12'"),
+        (GOOD.replace("-12\n", "\n"), r":7: a\.py: hunk 3 .* found ''"),
+        (GOOD.replace("@@ -3 +3 @@", "@@ -3 +3 @@ def f():"), r"bad hunk header"),
+        (GOOD.replace("@@ -3 +3 @@", "@@ -03 +3 @@"), r"bad hunk header"),
         (GOOD.replace("+++ tree04/a.py", "+++ "), r":2: a\.py: expected '\+\+\+ <label>'"),
         (GOOD.replace("+++ tree04/a.py\n", ""), r":2: a\.py: expected '\+\+\+ <label>'"),
         ("--- tree03/a.py\n", r"found the end of the patch"),
         (GOOD.replace("tree03/a.py", "a.py"), r":1: 'a\.py' is not 'treeNN/<path>'"),
-        (GOOD + GOOD, r":13: a\.py has a second section"),
-        (GOOD + GOOD.replace("tree03/a.py", "tree05/b.py"), r":13: b\.py: tree05, not tree03"),
+        (GOOD + GOOD, r":9: a\.py has a second section"),
+        (GOOD + GOOD.replace("tree03/a.py", "tree05/b.py"), r":9: b\.py: tree05, not tree03"),
         (GOOD[:-1], r"the last line has no newline"),
         ("--- tree03/a.py\n+++ tree04/a.py\n", r":1: a\.py: a section without hunks"),
-        (GOOD.replace(" 4\n", " 4\n\\ No newline at end of file\n"), r"follows the end"),
-        (GOOD.replace("-3\n", "-3\n\\ No newline at end of file\n"), r"follows the end"),
-        (GOOD + 2 * "\\ No newline at end of file\n", r"hunk 2 .* more lines than its header"),
-        (GOOD.replace("-3\n+three\n", " 3\n 3\n"), r"hunk 1 \(@@ -2,3 \+2,3 @@\) changes nothing"),
-        (GOOD.replace("@@ -2,3 +2,3 @@", "@@ -2,0 +2,0 @@"), r"hunk 1 .* is misnumbered"),
+        (GOOD.replace("-3\n", "-3\n\\ No newline at end of file\n"), r"hunk 2 .* follows the end"),
+        (GOOD.replace("-12\n", "-12\n\\ No newline at end of file\n"), r":9: .* follows the end"),
+        (GOOD + 2 * "\\ No newline at end of file\n", r"hunk 3 .* more lines than its header"),
+        (
+            GOOD.replace("@@ -9,0 +10 @@\n", "@@ -9,0 +10 @@\n\\ No newline at end of file\n"),
+            r":6: a\.py: hunk 2 .* has more lines than its header counts",
+        ),
+        (GOOD.replace("@@ -3 +3 @@", "@@ -3,0 +3,0 @@"), r"hunk 1 .* is misnumbered"),
+        (GOOD.replace("-3\n", " 3\n"), r"hunk 1 \(@@ -3 \+3 @@\) changes nothing"),
     ],
 )
 def test_malformed_patch_fails_naming_the_place(text: str, message: str) -> None:
@@ -483,28 +561,83 @@ def test_malformed_patch_fails_naming_the_place(text: str, message: str) -> None
 
 def test_hunk_after_one_that_ends_the_file_fails() -> None:
     text = (
-        "--- tree03/a.py\n+++ tree04/a.py\n@@ -1 +1 @@\n-a\n\\ No newline at end of file\n+a\n"
-        "@@ -3 +3 @@\n-c\n+C\n"
+        "--- tree03/a.py\n+++ tree04/a.py\n@@ -1 +1 @@\n-a\n\\ No newline at end of file\n"
+        "@@ -3 +3 @@\n-c\n"
     )
-    bad(text, r":7: a\.py: hunk 2 \(@@ -3 \+3 @@\) follows the end of the file")
+    bad(text, r":6: a\.py: hunk 2 \(@@ -3 \+3 @@\) follows the end of the file")
 
 
 def test_error_messages_carry_the_patch_name() -> None:
     with pytest.raises(DeltaError) as info:
-        parse_delta(GOOD.replace("@@ -9,3 +9,4 @@", "@@ -9,3 +10,4 @@"), PATCH)
-    assert re.match(re.escape(PATCH) + r":8: a\.py: hunk 2 ", str(info.value))
+        parse_delta(GOOD.replace("@@ -9,0 +10 @@", "@@ -9,0 +11 @@"), PATCH)
+    assert re.match(re.escape(PATCH) + r":5: a\.py: hunk 2 ", str(info.value))
 
 
 def test_misnumbered_message_says_where_the_hunk_should_start() -> None:
     bad(
-        GOOD.replace("@@ -9,3 +9,4 @@", "@@ -9,3 +11,4 @@"),
-        r"hunk 2 \(@@ -9,3 \+11,4 @@\) is misnumbered: the hunks before it shift lines by 0, so "
-        r"its new range should start at 9, not 11",
+        GOOD.replace("@@ -12,2 +13 @@", "@@ -12,2 +12 @@"),
+        r"hunk 3 \(@@ -12,2 \+12 @@\) is misnumbered: the hunks before it shift lines by 1, so "
+        r"its new range should start at 13, not 12",
     )
     bad(
-        GOOD.replace("@@ -9,3 +9,4 @@", "@@ -3,3 +3,4 @@"),
-        r"hunk 2 \(@@ -3,3 \+3,4 @@\) is misnumbered: it starts before the end of hunk 1",
+        GOOD.replace("@@ -9,0 +10 @@", "@@ -2,0 +3 @@"),
+        r"hunk 2 \(@@ -2,0 \+3 @@\) is misnumbered: it starts before the end of hunk 1",
     )
+
+
+# ---------------------------------------------------------------------------- the older form
+
+# The form `record` wrote before: the successor's lines as `+` lines, and context lines.
+OLDER = (
+    "--- tree03/a.py\n"
+    "+++ tree04/a.py\n"
+    "@@ -2,3 +2,3 @@\n"
+    " 2\n"
+    "-3\n"
+    "+three\n"
+    " 4\n"
+    "@@ -9,3 +9,4 @@\n"
+    " 9\n"
+    "+9.5\n"
+    " 10\n"
+    " 11\n"
+    "@@ -12,2 +13 @@\n"
+    "-12\n"
+    "-13\n"
+    "+twelve and thirteen\n"
+)
+
+
+def test_a_patch_in_the_older_form_is_read_as_tree_n_lines() -> None:
+    fd = parse_delta(OLDER, PATCH)["a.py"]
+    assert fd.hunks == (
+        Hunk("@@ -2,3 +2,3 @@", 2, 3, 2, 3, ("2\n", "3\n", "4\n"), legacy=True),
+        Hunk("@@ -9,3 +9,4 @@", 9, 3, 9, 4, ("9\n", "10\n", "11\n"), legacy=True),
+        Hunk("@@ -12,2 +13 @@", 12, 2, 13, 1, ("12\n", "13\n"), legacy=True),
+    )
+    assert rebuild(fd, GOOD_NEW) == GOOD_OLD
+    older = "--- tree03/a.py\n+++ tree04/a.py\n@@ -1 +1 @@\n-a\n+a\n\\ No newline at end of file\n"
+    assert rebuild(parse_delta(older, PATCH)["a.py"], "a") == "a\n"
+    assert not any(h.legacy for h in parse_delta(GOOD, PATCH)["a.py"].hunks)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            OLDER.replace("@@ -2,3 +2,3 @@", "@@ -2,4 +2,4 @@"),
+            r":8: a\.py: hunk 1 \(@@ -2,4 \+2,4 @@\): its body has 3 old and 3 new lines where "
+            r"the header counts 4 and 4; found '@@ -9,3 \+9,4 @@'",
+        ),
+        (OLDER.replace("@@ -2,3 +2,3 @@", "@@ -2,2 +2,3 @@"), r"hunk 1 .* more old lines"),
+        (OLDER.replace("+three\n", "+three\n+tres\n"), r"hunk 1 .* more new lines"),
+        (OLDER.replace("-3\n+three\n", " 3\n 3\n"), r"hunk 1 \(@@ -2,3 \+2,3 @@\) changes nothing"),
+        (OLDER.replace(" 4\n", " 4\n\\ No newline at end of file\n"), r"follows the end"),
+        (OLDER.replace("+9.5\n", "+9.5\n\\ No newline at end of file\n"), r"follows the end"),
+    ],
+)
+def test_a_malformed_patch_in_the_older_form_fails(text: str, message: str) -> None:
+    bad(text, message)
 
 
 # ---------------------------------------------------------------------------- renames
@@ -516,11 +649,11 @@ def test_a_rename_is_written_the_way_git_writes_one() -> None:
     old = lines_text(20)
     new = old.replace("line 1\n", "moved line 1\n")
     text = encode_delta(3, {"a.py": (old, new, "tree04/pkg/b.py")})
-    assert text == MOVED + "@@ -1 +1 @@\n-line 1\n+moved line 1\n"
+    assert text == MOVED + "@@ -1 +1 @@\n-line 1\n"
     fd = parse_delta(text, PATCH)["a.py"]
     assert (fd.rename, fd.old_label, fd.new_label) == ("pkg/b.py", "tree03/a.py", "tree04/pkg/b.py")
     assert rebuild(fd, new) == old
-    assert section_length("a.py", old, new, "tree04/pkg/b.py") == text.count("\n") == 7
+    assert section_length("a.py", old, new, "tree04/pkg/b.py") == text.count("\n") == 6
 
 
 def test_a_file_moved_unchanged_is_a_rename_without_hunks() -> None:
@@ -583,7 +716,7 @@ RENAMED_C = MOVED.replace("a.py", "c.py")
             MOVED + RENAMED_C,
             r":5: c\.py: renamed to pkg/b\.py, which a\.py is renamed to already",
         ),
-        (GOOD + "rename from x\n", r":14: x: expected 'rename to <path>'"),
+        (GOOD + "rename from x\n", r":10: x: expected 'rename to <path>'"),
         (
             MOVED + "garbage\n",
             r":5: a\.py: expected a hunk header or the next file's '--- ' or 'rename from' line",
@@ -598,10 +731,9 @@ def test_a_stale_rename_fails_like_any_hunk() -> None:
     old = lines_text(20)
     new = old.replace("line 10\n", "line ten\n")
     fd = parse_delta(encode_delta(3, {"a.py": (old, new, "tree04/pkg/b.py")}), PATCH)["a.py"]
-    edited = new.replace("line ten\n", "an edit nobody recorded\n")
-    stale = r"hunk 1 \(@@ -10 \+10 @@\) does not fit tree04/pkg/b\.py: at line 10"
+    stale = r"hunk 1 \(@@ -10 \+10 @@\) does not fit tree04/pkg/b\.py: it replaces line 10, but"
     with pytest.raises(DeltaError, match=stale):
-        apply_reverse(edited, fd.hunks, patch=PATCH, path="a.py", successor=fd.new_label)
+        apply_reverse(lines_text(5), fd.hunks, patch=PATCH, path="a.py", successor=fd.new_label)
 
 
 def gone(path: str, text: str) -> dict[str, tuple[str, str, str]]:
@@ -618,15 +750,20 @@ def test_find_renames_pairs_a_moved_file() -> None:
 
 def test_find_renames_takes_a_rename_only_when_it_is_shorter() -> None:
     old = lines_text(4)
-    # Half the file changed: the rename (4 header lines, a hunk) is not shorter than old whole.
+    # Half the file changed: the rename (4 header lines, a hunk with tree N's 2 lines) is as
+    # long as old whole (2 labels, a hunk with 4 lines), not shorter.
     half = "line 1\nline 2\nnew 3\nnew 4\nnew 5\n"
     plain = section_length("a.py", old, "", DEV_NULL)
-    assert section_length("a.py", old, half, "tree04/b.py") == 10 > plain == 7
+    assert section_length("a.py", old, half, "tree04/b.py") == plain == 7
     assert find_renames(gone("a.py", old), {"b.py": half}, 4) == {}
     # The live copy is the same: no section at all, so no rename, even to an identical file.
     assert find_renames({"a.py": (old, old, "repo/a.py")}, {"b.py": old}, 4) == {}
-    # The live copy needs a 5-line section, the identical new file a 4-line rename.
+    # The live copy needs a 4-line section, no longer than the 4-line rename: no rename.
     live = {"a.py": (old, old.replace("line 4", "line four"), "repo/a.py")}
+    assert find_renames(live, {"b.py": old}, 4) == {}
+    # The live copy needs a 6-line section (two hunks), the identical new file a 4-line rename.
+    live = {"a.py": (old, old.replace("line 1", "one").replace("line 4", "four"), "repo/a.py")}
+    assert section_length("a.py", *live["a.py"]) == 6
     assert find_renames(live, {"b.py": old}, 4) == {"a.py": "b.py"}
     # A tiny file never pays for the rename header.
     assert find_renames(gone("a.py", "x\n"), {"b.py": "x\n"}, 4) == {}
@@ -636,8 +773,8 @@ def test_find_renames_is_deterministic_and_pairs_each_path_once() -> None:
     base = lines_text(40)
     c = base.replace("line 5\n", "5\n")
     b = c.replace("line 25\n", "25\n")
-    # Savings: d.py -> c.py 39 lines (identical), a.py -> c.py and d.py -> b.py 34 each,
-    # a.py -> b.py 29. The biggest saving goes first, ties in path order, each path once;
+    # Savings: d.py -> c.py 39 lines (identical), a.py -> c.py and d.py -> b.py 37 each,
+    # a.py -> b.py 35. The biggest saving goes first, ties in path order, each path once;
     # e.py resembles nothing.
     olds = {**gone("a.py", base), **gone("d.py", c), **gone("e.py", lines_text(40, "e"))}
     added = {"b.py": b, "c.py": c}

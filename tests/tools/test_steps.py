@@ -395,19 +395,81 @@ def test_f_a_leaked_live_edit_fails(repo: Path) -> None:
     check_fails(repo, "--no-run", expect={(0, 8), (1, 8)}, message=message)
 
 
+STALE_DELTA_0 = (
+    "tree 0 changed: if chapter 0 meant it, run `steps.py record 0`; if a later edit leaked in "
+    "(a later tree or the live code changed without `steps.py record`, so chapter 0's "
+    "delta.patch is stale), run `steps.py record`"
+)
+
+
 def test_f_a_stale_delta_fails_to_materialise(repo: Path) -> None:
     git(repo, "init", "-q")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "book")
     edit(repo, "python/minisgl/util.py", "return", "# chapter 1 polishes this\n    return")
     assert steps_cmd(repo, "record").returncode == 0
-    edit(repo, "python/minisgl/util.py", "# chapter 1 polishes this", "# edited again")
+    # The successor got shorter: tree 0's hunk replaces its line 2, which is gone.
+    write(repo, "python/minisgl/util.py", "def shout(text: str) -> str: return text.upper()\n")
     check_fails(
         repo,
         "--no-run",
         expect={(0, 1), (1, 5), (1, 8)},  # tree 1's block needs tree 0 to say what changed
-        message="hunk 1 (@@ -1,0 +2 @@) does not fit tree01/minisgl/util.py",
+        message="chapters/ch00_a/delta.patch: minisgl/util.py: hunk 1 (@@ -1,0 +2 @@) does not "
+        "fit tree01/minisgl/util.py: it replaces line 2, but the successor has 1 line; the "
+        "successor changed without its delta being re-derived (run `steps.py record`)",
     )
+
+
+def test_f_a_stale_delta_fails_the_digest(repo: Path, tmp_path: Path) -> None:
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "book")
+    edit(repo, "python/minisgl/util.py", "return", "# chapter 1 polishes this\n    return")
+    steps_ok(repo, ["record"], ["pages"])
+    assert "@@ -1,0 +2 @@\n" in (repo / "chapters/ch00_a/delta.patch").read_text("utf-8")
+    # An edit inside the hunk's range: tree 0 still comes back as recorded; tree 1 changed.
+    edit(repo, "python/minisgl/util.py", "# chapter 1 polishes this", "# edited again")
+    check_fails(repo, "--no-run", expect={(1, 8)}, message="tree 1 changed: if chapter 1 meant")
+    # An edit that moves the hunk's line: tree 0 comes back wrong, and its digest says so.
+    edit(repo, "python/minisgl/util.py", "def shout", "# a later edit\ndef shout")
+    check_fails(repo, "--no-run", expect={(0, 8), (1, 8)}, message=STALE_DELTA_0)
+    # What the message says to do: `record` finds tree 0 at git HEAD by its digest.
+    steps_ok(repo, ["record"], ["pages"], ["check", "--no-run"])
+    steps_ok(repo, ["build", "0", str(tmp_path / "t0")])
+    assert (tmp_path / "t0/minisgl/util.py").read_text(encoding="utf-8") == UTIL
+
+
+def test_a_delta_in_the_older_form_is_read_and_fails_the_check_until_recorded(
+    repo: Path, tmp_path: Path
+) -> None:
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "book")
+    edit(repo, "python/minisgl/util.py", "return", "# chapter 1 polishes this\n    return")
+    steps_ok(repo, ["record"], ["pages"])
+    patch = repo / "chapters/ch00_a/delta.patch"
+    new_form = patch.read_text(encoding="utf-8")
+    assert new_form == (
+        "--- tree00/minisgl/util.py\n+++ tree01/minisgl/util.py\n@@ -1,0 +2 @@\n"
+    )
+    # the same delta as `record` wrote it before: the successor's line, and one line of context
+    patch.write_text(
+        new_form.replace(
+            "@@ -1,0 +2 @@\n",
+            "@@ -1 +1,2 @@\n def shout(text: str) -> str:\n+    # chapter 1 polishes this\n",
+        ),
+        encoding="utf-8",
+    )
+    message = (
+        "chapters/ch00_a/delta.patch: minisgl/util.py: hunk 1 (@@ -1 +1,2 @@) has '+' or "
+        "context lines, the older form of a delta, which repeated the successor's lines: run "
+        "`steps.py record` to rewrite it"
+    )
+    check_fails(repo, "--no-run", expect={(0, 1)}, message=message)  # tree 0 is right (8 ok)
+    steps_ok(repo, ["build", "0", str(tmp_path / "t0")])
+    assert (tmp_path / "t0/minisgl/util.py").read_text(encoding="utf-8") == UTIL
+    steps_ok(repo, ["record"], ["check", "--no-run"])
+    assert patch.read_text(encoding="utf-8") == new_form
 
 
 def test_g_failing_chapter_test_fails(repo: Path) -> None:
@@ -974,10 +1036,7 @@ def test_record_stores_a_moved_file_as_a_rename(repo: Path, tmp_path: Path) -> N
         "rename to minisgl/text.py\n"
         "--- tree00/minisgl/util.py\n"
         "+++ tree01/minisgl/text.py\n"
-        "@@ -0,0 +1,3 @@\n"
-        '+"""Text helpers: util.py until chapter 1."""\n'
-        "+\n"
-        "+\n"
+        "@@ -0,0 +1,3 @@\n"  # tree 0 lacks text.py's first three lines
     )
     assert len(patch.splitlines()) < len(LONG_UTIL.splitlines())  # shorter than the file whole
     assert steps_cmd(repo, "build", "0", str(tmp_path / "t0")).returncode == 0
@@ -988,16 +1047,31 @@ def test_record_stores_a_moved_file_as_a_rename(repo: Path, tmp_path: Path) -> N
     assert done.returncode == 0, done.stdout
 
 
-def test_a_moved_file_edited_without_record_fails(repo: Path) -> None:
+@pytest.mark.parametrize(
+    ("old", "new", "expect", "message"),
+    [
+        # inside the hunk's range: tree 0 comes back as recorded
+        ("until chapter 1", "until the first chapter", {(1, 8)}, "tree 1 changed"),
+        # a line more in that range: tree 0 keeps a blank line that is not its own
+        ("until chapter 1.", "until chapter 1,\nwhere it moved.", {(0, 8), (1, 8)}, STALE_DELTA_0),
+        # the file got shorter than the hunk's range
+        (
+            TEXT,
+            '"""Text."""\n\n',
+            {(0, 1), (1, 8)},
+            "hunk 1 (@@ -0,0 +1,3 @@) does not fit tree01/minisgl/text.py: it replaces lines 1 to "
+            "3, but the successor has 2 lines",
+        ),
+    ],
+    ids=["inside-the-range", "lines-moved", "successor-shorter"],
+)
+def test_a_moved_file_edited_without_record_fails(
+    repo: Path, old: str, new: str, expect: set[tuple[int, int]], message: str
+) -> None:
     # The rename's successor, the file at its new path, changes and nobody runs `record`.
     moved_book(repo)
-    edit(repo, "python/minisgl/text.py", "until chapter 1", "until the first chapter")
-    check_fails(
-        repo,
-        "--no-run",
-        expect={(0, 1), (1, 8)},
-        message="hunk 1 (@@ -0,0 +1,3 @@) does not fit tree01/minisgl/text.py: at line 1",
-    )
+    edit(repo, "python/minisgl/text.py", old, new)
+    check_fails(repo, "--no-run", expect=expect, message=message)
 
 
 def test_a_moved_file_edited_far_from_its_hunks_leaks_into_the_older_tree(repo: Path) -> None:

@@ -127,7 +127,9 @@ def check_recorded(book: Book, ch: Chapter) -> list[str]:
     elif digest is not None and digest != ch.digest:
         problems.append(
             f"tree {ch.number} changed: if chapter {ch.number} meant it, run `steps.py record "
-            f"{ch.number}`; if a later edit leaked in, run `steps.py record`"
+            f"{ch.number}`; if a later edit leaked in (a later tree or the live code changed "
+            f"without `steps.py record`, so chapter {ch.number}'s delta.patch is stale), run "
+            f"`steps.py record`"
         )
     try:
         sections = book.delta(ch)

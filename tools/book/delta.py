@@ -1,10 +1,18 @@
-"""Reverse deltas: a chapter's tree stored as one unified diff against its successor tree.
+"""Reverse deltas: a chapter's tree stored as tree N's lines that differ from its successor tree.
 
 A chapter's `delta.patch` holds one section per file of tree N whose content differs from its
 successor. Each section runs from tree N (`--- treeNN/<path>`) to the successor
-(`+++ treeMM/<path>`, `+++ repo/<live path>` or `+++ /dev/null`). Tree N's file is rebuilt by
-applying the section's hunks in reverse to the successor's text, strictly: every hunk must fit
-at exactly the line its header names. There is no fuzz and no offset search.
+(`+++ treeMM/<path>`, `+++ repo/<live path>` or `+++ /dev/null`). It is written in unified-diff
+syntax with zero context, but stores only tree N's side: a hunk is its header
+`@@ -a,b +c,d @@` and tree N's `b` lines, each as a `-` line. The successor's lines are not
+repeated (the tool reads them from the successor itself), and there are no context lines. Tree
+N's file is rebuilt from its successor's text by replacing, hunk by hunk, the successor's lines
+[c, c+d) by the hunk's `-` lines, strictly: the ranges must come in order, lie inside the
+successor and not overlap. There is no fuzz and no offset search.
+
+Nothing in a hunk checks the successor's content, so a successor that changed without its
+delta being re-derived gives a wrong tree N unless its ranges no longer fit; that is caught by
+tree N's recorded digest (`steps.py check`, property 8).
 
 A file that tree MM holds at another path (it moved) may be stored as a rename, the way git
 writes one: the section opens with `rename from <path>` and `rename to <new path>`, its `+++`
@@ -12,9 +20,9 @@ label is `treeMM/<new path>`, and its hunks (none when the file moved unchanged)
 N's text to that file's.
 
 Texts are `str` split on "\\n" only, so "\\r", form feeds and a missing final newline
-(`\\ No newline at end of file`) survive byte for byte. A patch must therefore be read and
-written without newline translation: use `read_patch`, and write the text from `encode_delta`
-as UTF-8 bytes.
+(`\\ No newline at end of file` after tree N's last line) survive byte for byte. A patch must
+therefore be read and written without newline translation: use `read_patch`, and write the
+text from `encode_delta` as UTF-8 bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +36,6 @@ from pathlib import Path
 DEV_NULL = "/dev/null"
 NO_NEWLINE = "\\ No newline at end of file"
 RECORD_HINT = "run `steps.py record`"
-CONTEXT = 0  # lines of context `record` writes around a hunk (see encode_delta)
 
 _NUM = "(0|[1-9][0-9]*)"
 _HUNK_RE = re.compile(rf"@@ -{_NUM}(?:,{_NUM})? \+{_NUM}(?:,{_NUM})? @@")
@@ -43,11 +50,12 @@ class DeltaError(Exception):
 
 @dataclass(frozen=True)
 class Hunk:
-    """One hunk: its header as written, its two ranges and its body.
+    """One hunk: its header as written, its two ranges and tree N's lines.
 
-    A range's start is 1-based, or names the line before the range when its length is 0. The
-    body is (tag, line) pairs: tag " " (in both), "-" (tree N only) or "+" (successor only);
-    a line keeps its "\\n" unless it is the last line of a file that has none.
+    A range's start is 1-based, or names the line before the range when its length is 0.
+    `lines` are tree N's `old_len` lines that take the place of the successor's `new_len`
+    lines; a line keeps its "\\n" unless it is the last line of a file that has none. `legacy`:
+    the hunk was written in the older form, with `+` and context lines (see `parse_delta`).
     """
 
     header: str
@@ -55,15 +63,8 @@ class Hunk:
     old_len: int
     new_start: int
     new_len: int
-    lines: tuple[tuple[str, str], ...]
-
-    def old_lines(self) -> list[str]:
-        """The lines of tree N that this hunk covers."""
-        return [line for tag, line in self.lines if tag != "+"]
-
-    def new_lines(self) -> list[str]:
-        """The lines of the successor that this hunk covers."""
-        return [line for tag, line in self.lines if tag != "-"]
+    lines: tuple[str, ...]
+    legacy: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,7 @@ def split_lines(text: str) -> list[str]:
 # ---------------------------------------------------------------------------- writing
 
 
-def encode_delta(
-    n: int, files: Mapping[str, tuple[str, str, str]], context: int = CONTEXT
-) -> str:
+def encode_delta(n: int, files: Mapping[str, tuple[str, str, str]]) -> str:
     """The patch text of chapter `n` from {path: (tree N text, successor text, `+++` label)}.
 
     Sections come in path order. A file equal to its successor gets no section, except when
@@ -123,13 +122,10 @@ def encode_delta(
     whole file, and no hunks at all when the file is empty; or when the label is a tree label
     of another path: that section is a rename, and has no hunks when the texts are equal.
 
-    `context` lines stand around each hunk. With 0 a hunk holds only what differs, except a
-    hunk with no line of the successor (tree N has lines its successor lacks): it keeps the
-    line before it (after it at the top of a file), so every hunk is checked against the
-    successor it is applied to.
+    Each run of lines that differ is one hunk: its header, with both ranges, and tree N's lines
+    of the run as `-` lines (none where only the successor has lines there). The successor's
+    lines are not written, nor any context.
     """
-    if context < 0:
-        raise ValueError(f"context must be 0 or more, not {context}")
     out: list[str] = []
     targets: set[str] = set()
     for path in sorted(files):
@@ -147,20 +143,17 @@ def encode_delta(
         elif old == new and label != DEV_NULL:
             continue
         out += [f"--- {tree_label(n, path)}\n", f"+++ {label}\n"]
-        out += _encode_hunks(split_lines(old), split_lines(new), context)
+        out += _encode_hunks(split_lines(old), split_lines(new))
     return "".join(out)
 
 
-def section_length(path: str, old: str, new: str, label: str, context: int = CONTEXT) -> int:
+def section_length(path: str, old: str, new: str, label: str) -> int:
     """How many lines `encode_delta` writes for this one file (0 when it writes no section)."""
-    return encode_delta(0, {path: (old, new, label)}, context).count("\n")
+    return encode_delta(0, {path: (old, new, label)}).count("\n")
 
 
 def find_renames(
-    gone: Mapping[str, tuple[str, str, str]],
-    added: Mapping[str, str],
-    n: int,
-    context: int = CONTEXT,
+    gone: Mapping[str, tuple[str, str, str]], added: Mapping[str, str], n: int
 ) -> dict[str, str]:
     """{old path: new path}: the files of tree N that tree `n` (its successor) lacks, paired
     with files new in tree `n`, where storing the file as a rename is shorter.
@@ -173,13 +166,13 @@ def find_renames(
     """
     candidates = []
     for path, (old, new, label) in gone.items():
-        plain = section_length(path, old, new, label, context)
+        plain = section_length(path, old, new, label)
         if plain <= 4:  # a rename section has 4 header lines at least
             continue
         for target, text in added.items():
             if target == path:
                 continue
-            moved = section_length(path, old, text, tree_label(n, target), context)
+            moved = section_length(path, old, text, tree_label(n, target))
             if moved < plain:
                 candidates.append((moved - plain, path, target))
     pairs: dict[str, str] = {}
@@ -191,32 +184,15 @@ def find_renames(
     return pairs
 
 
-def _anchored(group: list[tuple[str, int, int, int, int]]) -> list[tuple[str, int, int, int, int]]:
-    """A one-line-context group with its edge context dropped, except one line where the
-    hunk would otherwise hold no line of the successor to be checked against."""
-    core = group[1 if group[0][0] == "equal" else 0 : -1 if group[-1][0] == "equal" else None]
-    if any(j2 > j1 for _, _, _, j1, j2 in core):
-        return core
-    if group[0][0] == "equal":
-        return group[:1] + core
-    return core + group[-1:] if group[-1][0] == "equal" else core  # else the successor is empty
-
-
-def _encode_hunks(old: list[str], new: list[str], context: int) -> list[str]:
-    """The hunks from `old` to `new`, as patch lines each ending in "\\n". Context 0 keeps
-    one line around a hunk that would otherwise have no successor line (see `encode_delta`)."""
+def _encode_hunks(old: list[str], new: list[str]) -> list[str]:
+    """The hunks from `old` to `new`, as patch lines each ending in "\\n": one per run of
+    lines that differ, holding only the lines of `old`."""
     out: list[str] = []
     matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
-    for group in matcher.get_grouped_opcodes(max(context, 1)):
-        group = _anchored(group) if context == 0 else group
-        i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
-        out.append(f"@@ -{_format_range(i1, i2)} +{_format_range(j1, j2)} @@\n")
-        for tag, k1, k2, m1, m2 in group:
-            if tag == "equal":
-                out += _body_lines(" ", old[k1:k2])
-            else:
-                out += _body_lines("-", old[k1:k2])
-                out += _body_lines("+", new[m1:m2])
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag != "equal":
+            out.append(f"@@ -{_format_range(i1, i2)} +{_format_range(j1, j2)} @@\n")
+            out += _body_lines(old[i1:i2])
     return out
 
 
@@ -227,14 +203,14 @@ def _format_range(start: int, stop: int) -> str:
     return f"{first}" if length == 1 else f"{first},{length}"
 
 
-def _body_lines(tag: str, lines: list[str]) -> list[str]:
-    """Body lines for `lines`, with the marker after a line that has no "\\n"."""
+def _body_lines(lines: list[str]) -> list[str]:
+    """`-` lines for `lines`, with the marker after a line that has no "\\n"."""
     out = []
     for line in lines:
         if line.endswith("\n"):
-            out.append(tag + line)
+            out.append("-" + line)
         else:
-            out += [tag + line + "\n", NO_NEWLINE + "\n"]
+            out += ["-" + line + "\n", NO_NEWLINE + "\n"]
     return out
 
 
@@ -255,6 +231,12 @@ def parse_delta(text: str, patch: str) -> dict[str, FileDelta]:
     `rename from` / `rename to` lines (or disagreeing with them) or two renames to one path raise
     DeltaError naming `patch`, the line, the file and the hunk. `text` must come without
     newline translation (`read_patch`).
+
+    A hunk in the older form, which repeated the successor's lines (`+` lines, and context
+    lines in both ranges), is still read, so that `record` can rebuild the trees of a patch
+    written before and rewrite it: its `+` lines are counted against the header and dropped,
+    its context lines kept as tree N's lines, and it is marked `legacy` (`steps.py check`
+    fails such a patch).
     """
     if text and not text.endswith("\n"):
         raise DeltaError(f"{patch}: the last line has no newline; the patch is cut short")
@@ -370,7 +352,11 @@ def _index(start: int, length: int) -> int:
 
 def _parse_hunk(lines: list[str], i: int, patch: str, path: str, k: int) -> tuple[Hunk, int, bool]:
     """The hunk whose header is lines[i], the index after it, and whether it ends a file
-    that has no final newline."""
+    that has no final newline.
+
+    A hunk is `old_len` `-` lines. A `+` or context line makes it a hunk of the older form
+    (see `parse_delta`): its body then runs until it holds `old_len` lines of tree N and
+    `new_len` of the successor, as unified diff counts them."""
     header = lines[i]
     match = _HUNK_RE.fullmatch(header)
     if match is None:
@@ -382,19 +368,23 @@ def _parse_hunk(lines: list[str], i: int, patch: str, path: str, k: int) -> tupl
     header_line = i + 1
     if (old_len and not old_start) or (new_len and not new_start) or not (old_len or new_len):
         raise DeltaError(f"{patch}:{i + 1}: {name} is misnumbered")
-    body: list[tuple[str, str]] = []
+    body: list[str] = []  # tree N's lines
     olds = news = 0
-    old_ended = new_ended = False
+    old_ended = new_ended = legacy = changes = False
     i += 1
-    while olds < old_len or news < new_len:
+    while olds < old_len or (news < new_len and (legacy or _older_form(lines, i))):
         line = lines[i] if i < len(lines) else None
         if line is None or line[:1] not in (" ", "-", "+"):
             found = "the end of the patch" if line is None else repr(line)
-            raise DeltaError(
-                f"{patch}:{i + 1}: {name}: its body has {olds} old and {news} new lines where "
-                f"the header counts {old_len} and {new_len}; found {found}"
+            counts = (
+                f"{olds} old and {news} new lines where the header counts {old_len} and {new_len}"
+                if legacy
+                else f"{olds} of the {old_len} '-' lines its header counts"
             )
+            raise DeltaError(f"{patch}:{i + 1}: {name}: its body has {counts}; found {found}")
         tag = line[0]
+        legacy = legacy or tag != "-"
+        changes = changes or tag != " "
         olds += tag != "+"
         news += tag != "-"
         if olds > old_len or news > new_len:
@@ -405,17 +395,22 @@ def _parse_hunk(lines: list[str], i: int, patch: str, path: str, k: int) -> tupl
         if (tag != "+" and old_ended) or (tag != "-" and new_ended):
             raise DeltaError(f"{patch}:{i + 1}: {name}: a line follows the end of the file")
         i += 1
-        if i < len(lines) and lines[i] == NO_NEWLINE:
-            body.append((tag, line[1:]))
+        ends = i < len(lines) and lines[i] == NO_NEWLINE
+        if ends:
             old_ended = old_ended or tag != "+"
             new_ended = new_ended or tag != "-"
             i += 1
-        else:
-            body.append((tag, line[1:] + "\n"))
-    if all(tag == " " for tag, _ in body):
+        if tag != "+":
+            body.append(line[1:] if ends else line[1:] + "\n")
+    if legacy and not changes:
         raise DeltaError(f"{patch}:{header_line}: {name} changes nothing")
-    hunk = Hunk(header, old_start, old_len, new_start, new_len, tuple(body))
+    hunk = Hunk(header, old_start, old_len, new_start, new_len, tuple(body), legacy)
     return hunk, i, old_ended or new_ended
+
+
+def _older_form(lines: list[str], i: int) -> bool:
+    """Whether lines[i] is a `+` or context line: a hunk of the older form goes on."""
+    return i < len(lines) and lines[i][:1] in ("+", " ")
 
 
 # ---------------------------------------------------------------------------- applying
@@ -437,41 +432,50 @@ def apply_reverse(
 ) -> str:
     """Tree N's text from its successor's, by applying `hunks` in reverse, strictly.
 
-    Every hunk must fit at exactly the line its header names: its context and `+` lines must
-    equal the successor's there. `patch`, `path` and `successor` (the successor's label) name
-    things in the DeltaError raised when a hunk does not fit.
+    Each hunk replaces the successor's lines its `+` range names by its lines (tree N's). The
+    ranges must come in order, not overlap and lie inside the successor; a hunk whose last line
+    has no final newline must end the successor, and no line may be put after a successor's
+    last line that has none. Nothing else is checked: the successor's lines are not stored.
+    `patch`, `path` and `successor` (the successor's label) name things in the DeltaError
+    raised when a hunk does not fit.
     """
     succ = split_lines(successor_text)
+    stale = f"the successor changed without its delta being re-derived ({RECORD_HINT})"
     out: list[str] = []
     pos = 0
     for k, hunk in enumerate(hunks, 1):
         where = f"{patch}: {path}: hunk {k} ({hunk.header})"
         start = _index(hunk.new_start, hunk.new_len)
-        if start < pos or _index(hunk.old_start, hunk.old_len) != len(out) + start - pos:
+        end = start + hunk.new_len
+        if (
+            start < pos
+            or _index(hunk.old_start, hunk.old_len) != len(out) + start - pos
+            or len(hunk.lines) != hunk.old_len
+        ):
             raise DeltaError(f"{where} is misnumbered")
-        stale = f"the successor changed without its delta being re-derived ({RECORD_HINT})"
-        if start > len(succ):
+        if end > len(succ):
+            if not hunk.new_len:
+                span = f"it goes after line {start}"
+            elif hunk.new_len == 1:
+                span = f"it replaces line {end}"
+            else:
+                span = f"it replaces lines {start + 1} to {end}"
             raise DeltaError(
-                f"{where} does not fit {successor}: it starts after line {start}, but the "
-                f"successor has {len(succ)} lines; {stale}"
+                f"{where} does not fit {successor}: {span}, but the successor has "
+                f"{len(succ)} line{'s' * (len(succ) != 1)}; {stale}"
             )
-        want = hunk.new_lines()
-        got = succ[start : start + len(want)]
-        if got != want:
-            bad = next((j for j, (w, g) in enumerate(zip(want, got)) if w != g), len(got))
-            found = _show(got[bad]) if bad < len(got) else "the end of the file"
-            raise DeltaError(
-                f"{where} does not fit {successor}: at line {start + bad + 1} it expects "
-                f"{_show(want[bad])} but finds {found}; {stale}"
-            )
-        old = hunk.old_lines()
-        end = start + len(want)
+        old = hunk.lines
         if old and not old[-1].endswith("\n") and end != len(succ):
             raise DeltaError(
                 f"{where} does not fit {successor}: the hunk ends the file, but the successor "
                 f"goes on at line {end + 1} with {_show(succ[end])}; {stale}"
             )
         out += succ[pos:start]
+        if old and out and not out[-1].endswith("\n"):
+            raise DeltaError(
+                f"{where} does not fit {successor}: it puts lines after line {start}, the "
+                f"successor's last, which has no newline at end of file; {stale}"
+            )
         out += old
         pos = end
     out += succ[pos:]

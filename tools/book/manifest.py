@@ -364,15 +364,24 @@ class Book:
         return out
 
     def delta_problems(self, ch: Chapter) -> list[str]:
-        """Sections of chapter N's delta that name no non-owned path of tree N."""
+        """Sections of chapter N's delta that name no non-owned path of tree N; a delta with
+        hunks in the older form (`+` and context lines), which `record` rewrites."""
         try:
             sections = self.delta(ch)
         except StepsError as exc:
             return [str(exc)]
         name = self.rel(ch.patch)
-        return [
+        problems = [
             f"{name}: a section for {p}, which "
             + ("is chapter-owned (stored whole)" if owned(p) else f"tree {ch.number} lacks")
             for p in sections
             if owned(p) or p not in self.paths[ch.number]
         ]
+        older = [
+            f"{name}: {p}: hunk {k} ({hunk.header}) has '+' or context lines, the older form "
+            f"of a delta, which repeated the successor's lines: {delta.RECORD_HINT} to rewrite it"
+            for p, section in sections.items()
+            for k, hunk in enumerate(section.hunks, 1)
+            if hunk.legacy
+        ]
+        return problems + older[:1]  # one is enough: `record` rewrites the whole patch
