@@ -433,9 +433,13 @@ def test_f_a_stale_delta_fails_the_digest(repo: Path, tmp_path: Path) -> None:
     # An edit that moves the hunk's line: tree 0 comes back wrong, and its digest says so.
     edit(repo, "python/minisgl/util.py", "def shout", "# a later edit\ndef shout")
     check_fails(repo, "--no-run", expect={(0, 8), (1, 8)}, message=STALE_DELTA_0)
+    done = steps_cmd(repo, "build", "0", str(tmp_path / "wrong"))  # written, with a warning
+    assert done.returncode == 0 and "warning: tree 0 is not the tree recorded in " in done.stderr
+    assert (tmp_path / "wrong/minisgl/util.py").read_text(encoding="utf-8") != UTIL
     # What the message says to do: `record` finds tree 0 at git HEAD by its digest.
     steps_ok(repo, ["record"], ["pages"], ["check", "--no-run"])
-    steps_ok(repo, ["build", "0", str(tmp_path / "t0")])
+    done = steps_cmd(repo, "build", "0", str(tmp_path / "t0"))
+    assert done.returncode == 0 and "warning" not in done.stderr
     assert (tmp_path / "t0/minisgl/util.py").read_text(encoding="utf-8") == UTIL
 
 

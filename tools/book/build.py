@@ -8,6 +8,7 @@ import difflib
 import io
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -40,12 +41,21 @@ def link_models(book: Book, dest: Path, with_maker: bool) -> None:
 
 
 def build(book: Book, number: int, dest: Path) -> int:
-    """`steps.py build N DIR`: tree N for a reader, with models linked, ready to run."""
+    """`steps.py build N DIR`: tree N for a reader, with models linked, ready to run. A tree
+    that is not the one recorded (its digest differs) is written all the same, with a warning:
+    a delta holds none of its successor's lines, so a stale one can give a wrong tree."""
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise StepsError(f"{dest} exists and is not an empty folder")
     ch = book.get(number)
-    for f in ch.files:
-        book.content(ch, f)  # fail before creating anything
+    tree = book.tree(ch)  # fail before creating anything
+    if ch.digest is not None and tree_digest(tree) != ch.digest:
+        print(
+            f"steps.py: warning: tree {number} is not the tree recorded in "
+            f"chapters/{ch.folder.name}/chapter.toml (its digest differs): something changed "
+            f"since `steps.py record`; `steps.py check --no-run {number}` says what to do "
+            f"(property 8)",
+            file=sys.stderr,
+        )
     dest.mkdir(parents=True, exist_ok=True)
     write_tree(book, ch, dest)
     link_models(book, dest, with_maker=True)
