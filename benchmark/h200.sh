@@ -98,7 +98,7 @@ online)  # both servers side by side, rounds in turns: 1/16/64/256 in flight, tw
     python benchmark/online.py --model "$Q06" \
         $(printf -- "--engine %s " ${ENGINES:-ours=$PWD/python official=$OFFICIAL}) \
         --num-pages "${PAGES:-450000}" --rounds 3 --concurrency 1 16 64 256 --rates 16 32 \
-        --prompts-per-slot 2 --rate-seconds 6 \
+        --prompts-per-slot 2 --min-prompts 16 --rate-seconds 6 \
         --step-timer --deadline "${DEADLINE:-0}" \
         --out "$OUT/online" 2>&1 | quiet | tee "$OUT/ch21_online.txt"
     ;;
