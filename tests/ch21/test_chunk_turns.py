@@ -1,7 +1,8 @@
-"""The server's decode turns between prefill chunks are for long prompts only. A wave of short
-prompts that spans a few prefill steps (the budget cuts one of them in two) is filled back to
-back: streams pause once after it, not once per chunk. A prompt longer than a step still gets
-the turns (chapter 15's fairness). Outputs are HF's either way."""
+"""The server's decode turns between prefill chunks go to those who need them. A wave of short
+prompts on an idle scheduler that spans a few prefill steps (the budget cuts one of them in
+two) is filled back to back: the streams it starts pause once after it, not once per chunk.
+Streams already flowing when the prompts came get their turns, and so does everyone while a
+prompt longer than a step is filled (chapter 15's fairness). Outputs are HF's either way."""
 
 from __future__ import annotations
 
@@ -18,16 +19,20 @@ from reference import hf_greedy
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def run(model_dir, make_llm, caplog, lengths: tuple[int, ...]) -> list[tuple[str, list[int]]]:
+def run(model_dir, make_llm, caplog, lengths: tuple[int, ...], max_tokens: tuple[int, ...] = (),
+        **config) -> list[tuple[str, list[int]]]:
     path = model_dir("tiny-llama")
     g = torch.Generator().manual_seed(5)
     ids = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
-    llm = make_llm(path, max_extend_tokens=8)
+    params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in max_tokens] or GREEDY
+    llm = make_llm(path, max_extend_tokens=8, **config)
     llm.decode_between_chunks = True  # the server's policy
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="minisgl.scheduler"):
-        out = llm.generate(ids, GREEDY)
-    assert [o["token_ids"] for o in out] == [hf_greedy(path, x, 6)[0] for x in ids]
+        out = llm.generate(ids, params)
+    wanted = max_tokens or (6,) * len(ids)
+    assert [o["token_ids"] for o in out] == [hf_greedy(path, x, k)[0]
+                                             for x, k in zip(ids, wanted)]
     return batches(caplog)
 
 
@@ -45,3 +50,13 @@ def test_a_prompt_longer_than_a_step_still_gives_turns(model_dir, make_llm, capl
     parts = [i for i, (phase, uids) in enumerate(seen) if phase == "prefill" and 1 in uids]
     assert len(parts) == -(-(long + 4) // 8)
     assert all(seen[i + 1] == ("decode", [0]) for i in parts[:-1]), seen
+
+
+def test_streams_flowing_before_a_wave_get_their_turns(model_dir, make_llm, caplog) -> None:
+    # three rows: requests 0-2 start together (2 is cut across two steps, back to back); 1 and 2
+    # stop after 2 tokens, and 3 and 4 (5 tokens each, 4 cut in two) come in while 0 flows
+    seen = run(model_dir, make_llm, caplog, (4, 3, 3, 5, 5), (12, 2, 2, 6, 6), max_running_req=3)
+    assert seen[:2] == [("prefill", [0, 1, 2]), ("prefill", [2])], seen
+    first = next(i for i, (phase, uids) in enumerate(seen) if phase == "prefill" and 4 in uids)
+    assert seen[first][1] == [3, 4] and seen[first + 1][0] == "decode", seen
+    assert 0 in seen[first + 1][1] and seen[first + 2] == ("prefill", [4]), seen

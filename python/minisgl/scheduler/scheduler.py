@@ -88,6 +88,7 @@ class Scheduler:
         self.aborted: dict[int, float] = {}  # uid -> when; stopped at its next token
         self.stats = SchedulerStats()
         self.decode_turn = False  # the last batch was a prefill (see _schedule_next_batch)
+        self.flowing: set[int] = set()  # uids running when this run of prefill steps began
         self.trace = StepTrace.from_env()  # MINISGL_STEP_TRACE=file: per-step timings
         self.launch_profile = LaunchProfile.from_env()  # MINISGL_LAUNCH_PROFILE=file[:n]
 
@@ -225,16 +226,18 @@ class Scheduler:
 
     def _schedule_next_batch(self) -> ForwardInput | None:
         """Prefill first (new requests start early), else decode every running request. With
-        `decode_between_chunks` (the server's), while a prompt longer than a prefill step is
-        filled in chunks the running requests get every other step: a long prompt slows their
-        streams instead of stopping them. A wave of short prompts that merely spans a few
-        steps is filled back to back, one pause for the streams rather than one per chunk
-        (each such pause is a gap that the p99 inter-token gap counts)."""
+        `decode_between_chunks` (the server's), while prompts are filled in chunks the running
+        requests get every other step, so their streams slow down instead of stopping, when
+        someone needs it: streams that were flowing when this run of prefill steps began, or
+        everyone when a single prompt is longer than a step. A wave of short prompts on an
+        otherwise idle server is filled back to back: the streams it starts pause once after
+        their first token, not once per chunk (each pause is a gap the p99 gap counts)."""
         batch = None
-        if (self.decode_between_chunks and self.decode_turn
-                and self.prefill_manager.filling_longer_than(self.config.max_extend_tokens)):
+        if self.decode_between_chunks and self.decode_turn and self._turn_needed():
             batch = self._schedule_decode()
         if batch is None and self.prefill_manager.runnable:
+            if self.decode_between_chunks and not self.decode_turn:  # a run of prefills begins
+                self.flowing = set(self.decode_manager.running)
             # A prefill may reuse the table row of a request that finished while the batch now
             # in flight still writes its last token there: let our stream's copies into that
             # row wait for it (a device-side wait; the host goes on).
@@ -243,6 +246,13 @@ class Scheduler:
         batch = batch or self._schedule_decode()
         self.decode_turn = batch is not None and batch.is_prefill
         return None if batch is None else self._prepare_batch(batch)
+
+    def _turn_needed(self) -> bool:
+        """Does the prompt being filled in chunks owe the running requests a decode step?"""
+        prefill = self.prefill_manager
+        return prefill.chunking and (
+            prefill.filling_longer_than(self.config.max_extend_tokens)
+            or not self.flowing.isdisjoint(self.decode_manager.running))
 
     def _schedule_decode(self) -> Batch | None:
         """The running requests' decode batch. Admitted by expected need, they may lack the
