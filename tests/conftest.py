@@ -7,10 +7,13 @@ chapter 0's. The `make_llm` fixture (chapters 7 on) imports it when a test asks 
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -25,7 +28,7 @@ os.environ.setdefault("MINISGL_CHECK_INTEGRITY", "1")
 MODELS = REPO / "models"
 SMOLLM2 = "SmolLM2-135M-Instruct"
 # Inside a materialised chapter tree the chapter's own modules sit at the tree root; in the
-# repository they live in chapters/chNN_slug/. This is the root of whichever we are in.
+# repository tools/steps.py's reader makes them from chapters/. This is the root of either.
 HERE = Path(__file__).resolve().parents[1]
 IN_TREE = not (HERE / "chapters").is_dir()
 if not IN_TREE:
@@ -44,15 +47,39 @@ def ensure_model(name: str) -> Path:
 def chapter_module(chapter: str, name: str) -> ModuleType:
     """A chapter's own module (e.g. chapter "ch03_models", name "skeleton"), loaded under a
     name of its own so that several chapters' skeletons can live in one test session."""
-    path = HERE / f"{name}.py" if IN_TREE else HERE / "chapters" / chapter / f"{name}.py"
     key = f"{chapter}_{name}"
     if key not in sys.modules:
+        path = HERE / f"{name}.py" if IN_TREE else _chapter_file(chapter, f"{name}.py")
         spec = importlib.util.spec_from_file_location(key, path)
         assert spec is not None and spec.loader is not None, path
         module = importlib.util.module_from_spec(spec)
         sys.modules[key] = module
         spec.loader.exec_module(module)
     return sys.modules[key]
+
+
+def _chapter_file(chapter: str, path: str) -> Path:
+    """In the repository: chapter N's copy of a top-level file of its tree, written once under
+    a temporary folder. The repository may store it as a delta against tree N+1's copy
+    (chapters/chNN_slug/delta.patch), so tools/steps.py's reader makes it."""
+    tools = str(HERE / "tools")
+    sys.path.insert(0, tools)
+    try:
+        from book.manifest import Book
+    finally:
+        sys.path.remove(tools)
+    book = Book(HERE)
+    data = book.content_at(book.get(int(chapter[2:4])), path)
+    if not _TREES:
+        _TREES.append(Path(tempfile.mkdtemp(prefix="minisgl-chapters-")))
+        atexit.register(shutil.rmtree, _TREES[0], True)
+    dest = _TREES[0] / chapter / path
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(data)
+    return dest
+
+
+_TREES: list[Path] = []  # the temporary folder of _chapter_file, once made
 
 
 @pytest.fixture(scope="session")

@@ -443,39 +443,6 @@ def test_f_a_stale_delta_fails_the_digest(repo: Path, tmp_path: Path) -> None:
     assert (tmp_path / "t0/minisgl/util.py").read_text(encoding="utf-8") == UTIL
 
 
-def test_a_delta_in_the_older_form_is_read_and_fails_the_check_until_recorded(
-    repo: Path, tmp_path: Path
-) -> None:
-    git(repo, "init", "-q")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "book")
-    edit(repo, "python/minisgl/util.py", "return", "# chapter 1 polishes this\n    return")
-    steps_ok(repo, ["record"], ["pages"])
-    patch = repo / "chapters/ch00_a/delta.patch"
-    new_form = patch.read_text(encoding="utf-8")
-    assert new_form == (
-        "--- tree00/minisgl/util.py\n+++ tree01/minisgl/util.py\n@@ -1,0 +2 @@\n"
-    )
-    # the same delta as `record` wrote it before: the successor's line, and one line of context
-    patch.write_text(
-        new_form.replace(
-            "@@ -1,0 +2 @@\n",
-            "@@ -1 +1,2 @@\n def shout(text: str) -> str:\n+    # chapter 1 polishes this\n",
-        ),
-        encoding="utf-8",
-    )
-    message = (
-        "chapters/ch00_a/delta.patch: minisgl/util.py: hunk 1 (@@ -1 +1,2 @@) has '+' or "
-        "context lines, the older form of a delta, which repeated the successor's lines: run "
-        "`steps.py record` to rewrite it"
-    )
-    check_fails(repo, "--no-run", expect={(0, 1)}, message=message)  # tree 0 is right (8 ok)
-    steps_ok(repo, ["build", "0", str(tmp_path / "t0")])
-    assert (tmp_path / "t0/minisgl/util.py").read_text(encoding="utf-8") == UTIL
-    steps_ok(repo, ["record"], ["check", "--no-run"])
-    assert patch.read_text(encoding="utf-8") == new_form
-
-
 def test_g_failing_chapter_test_fails(repo: Path) -> None:
     edit(repo, "tests/ch01/test_b.py", '"CHAPTER 1"', '"CHAPTER 2"')
     assert steps_cmd(repo, "record").returncode == 0
@@ -632,6 +599,51 @@ def test_record_n_dir_fixes_an_older_tree(repo: Path, tmp_path: Path) -> None:
     assert steps_cmd(repo, "pages").returncode == 0
     done = steps_cmd(repo, "check", "--no-run")
     assert done.returncode == 0, done.stdout
+
+
+def test_an_owned_file_close_to_its_successor_is_stored_as_its_delta(
+    repo: Path, tmp_path: Path
+) -> None:
+    notes = "".join(f"# note {i}: the same in both chapters\n" for i in range(8))
+    edit(repo, "chapters/ch01_b/main.py", "from", notes + "from")
+    assert steps_cmd(repo, "record", "1").returncode == 0
+    out = tmp_path / "t0"
+    assert steps_cmd(repo, "build", "0", str(out)).returncode == 0
+    main0 = notes + "print('tree 0')\n"
+    (out / "main.py").write_text(main0, encoding="utf-8")
+    done = steps_cmd(repo, "record", "0", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "removed chapters/ch00_a/main.py (now stored in delta.patch)" in done.stdout
+    patch = (repo / "chapters/ch00_a/delta.patch").read_text(encoding="utf-8")
+    assert "--- tree00/main.py\n+++ tree01/main.py\n" in patch and "# note" not in patch
+    assert steps_cmd(repo, "build", "0", str(tmp_path / "b0")).returncode == 0
+    assert (tmp_path / "b0/main.py").read_text(encoding="utf-8") == main0
+    assert steps_cmd(repo, "check", "--no-run").returncode == 0
+    # a whole copy beside its section: stored twice
+    write(repo, "chapters/ch00_a/main.py", main0)
+    check_fails(repo, "--no-run", expect={(0, 1)}, message="also stored whole in chapters/ch00_a")
+    (repo / "chapters/ch00_a/main.py").unlink()
+    # tree 1's copy gone: it would inherit tree 0's, which is a delta against it
+    (repo / "chapters/ch01_b/main.py").unlink()
+    check_fails(
+        repo, "--no-run", expect={(0, 1), (0, 5), (1, 1), (1, 5)}, message="derived from itself"
+    )
+
+
+def test_owned_modes_inherit_then_delta_then_whole() -> None:
+    from book.build import owned_modes  # noqa: PLC0415
+
+    long = "".join(f"line {i}\n" for i in range(10)).encode()
+    other = long.replace(b"line 3", b"LINE 3")
+    trees = [{"main.py": long}, {"main.py": long}, {"main.py": other}, {"main.py": b"x\n"}]
+    chapters = [type("C", (), {"number": n})() for n in range(4)]
+    modes = owned_modes(chapters, trees)  # type: ignore[arg-type]
+    # tree 1 equals tree 0: inherited; tree 0 cannot lean on it, so whole; tree 2 is far from
+    # tree 3: whole; tree 3 is the newest: whole
+    assert [modes[k, "main.py"] for k in range(4)] == ["whole", "inherit", "whole", "whole"]
+    trees[3] = {"main.py": other + b"one more\n"}
+    modes = owned_modes(chapters, trees)  # type: ignore[arg-type]
+    assert [modes[k, "main.py"] for k in range(4)] == ["whole", "inherit", "delta", "whole"]
 
 
 def test_record_n_records_a_chapter_edit_and_keeps_the_other_lines(repo: Path) -> None:

@@ -136,7 +136,8 @@ def target_tree(book: Book, ch: Chapter, head: list[Book | None]) -> dict[str, b
             f"if its current content is right"
         )
     for f in ch.files:
-        if owned(f.path) and f.path in old and old[f.path] != book.content_at(ch, f.path):
+        whole = (ch.folder / f.path).is_file()  # an owned file edited in place
+        if owned(f.path) and whole and f.path in old and old[f.path] != book.content_at(ch, f.path):
             raise StepsError(
                 f"chapter {ch.number}: {f.path} changed since it was recorded: run `steps.py "
                 f"record {ch.number}` if that was meant"
@@ -155,6 +156,40 @@ def live_tree(book: Book, ch: Chapter) -> dict[str, bytes]:
         else:
             raise StepsError(f"tree {ch.number} (newest) holds {f.path}, which has no live copy")
     return tree
+
+
+def owned_modes(
+    chapters: list[Chapter], trees: list[dict[str, bytes]]
+) -> dict[tuple[int, str], str]:
+    """How each chapter-owned file of each tree is stored, {(index, path): mode}: "inherit" when
+    it equals tree N-1's; else "delta" (a section of chapter N's delta.patch against tree N+1's
+    copy) when tree N+1 holds the path without inheriting it and the section is shorter than
+    the file; else "whole" (chapters/chNN_slug/<path>). Decided from the newest tree down, so a
+    delta never leans on a copy that leans back on it."""
+    modes: dict[tuple[int, str], str] = {}
+    for k in reversed(range(len(chapters))):
+        for path, data in trees[k].items():
+            if not owned(path):
+                continue
+            nxt = trees[k + 1] if k + 1 < len(trees) else {}
+            if k and trees[k - 1].get(path) == data:
+                modes[k, path] = "inherit"
+            elif path in nxt and modes[k + 1, path] != "inherit" and _shorter_as_delta(
+                chapters[k + 1].number, path, data, nxt[path]
+            ):
+                modes[k, path] = "delta"
+            else:
+                modes[k, path] = "whole"
+    return modes
+
+
+def _shorter_as_delta(m: int, path: str, data: bytes, succ: bytes) -> bool:
+    try:
+        old = delta.decode_text(data, path)
+        new = delta.decode_text(succ, delta.tree_label(m, path))
+    except delta.DeltaError:
+        return False  # not text: stored whole
+    return delta.section_length(path, old, new, delta.tree_label(m, path)) < old.count("\n")
 
 
 def record(book: Book, number: int | None, src: Path | None, every: bool = False) -> int:
@@ -195,25 +230,25 @@ def record(book: Book, number: int | None, src: Path | None, every: bool = False
             if missing:
                 raise StepsError(f"{src} lacks {', '.join(missing)} of tree {ch.number}")
             trees.append({f.path: (src / f.path).read_bytes() for f in ch.files})
-    # chapter-owned files: a folder's own copy wherever the target differs from what it would
-    # inherit
+    modes = owned_modes(chapters, trees)
     for k, ch in enumerate(chapters):
-        for path, data in trees[k].items():
+        for path in sorted(p for p in trees[k] if owned(p)):
             own = ch.folder / path
-            if not owned(path):
-                continue
-            inherited = trees[k - 1].get(path) if k else None
-            current = own.read_bytes() if own.is_file() else inherited
-            if current != data:
-                own.write_bytes(data)
-                print(f"wrote {book.rel(own)}")
+            if modes[k, path] == "whole":
+                if not own.is_file() or own.read_bytes() != trees[k][path]:
+                    own.write_bytes(trees[k][path])
+                    print(f"wrote {book.rel(own)}")
+            elif own.is_file():
+                own.unlink()
+                how = "as tree N-1's" if modes[k, path] == "inherit" else f"in {ch.patch.name}"
+                print(f"removed {book.rel(own)} (now stored {how})")
     # the deltas
     for k, ch in enumerate(chapters):
         nxt = trees[k + 1] if k + 1 < len(chapters) else {}
         files = {}
         try:
             for path, data in trees[k].items():
-                if owned(path):
+                if owned(path) and modes[k, path] != "delta":
                     continue
                 if path in nxt:
                     succ, label = nxt[path], delta.tree_label(chapters[k + 1].number, path)

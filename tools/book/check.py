@@ -178,7 +178,6 @@ def check_chapter(
     verdicts[4] = ("n/a", ["only the newest chapter"])
     if ch is book.chapters[-1]:
         verdict(4, check_python_tree(book))
-    verdict(5, check_page(book, ch, run and not missing))
     verdict(8, check_recorded(book, ch))
     mutants = check_mutants(book, ch)
     static = check_blocks(book, ch, blocks)
@@ -187,6 +186,7 @@ def check_chapter(
         verdicts.update({n: ("skipped", [why]) for n in (2, 3, 7)})
         if mutants:
             verdict(3, mutants)
+        verdict(5, check_page(book, ch, False))
         verdict(6, static, f"benchmarks and ids only, {why}")
         return verdicts
     with sandbox(book, ch) as box, Runner(book, ch, timeout, box) as runner:
@@ -198,11 +198,16 @@ def check_chapter(
         verdict(2, [main_failure] if main_failure else [])
         tests_failure, note = None, "no tests in the tree"
         if any(f.path.startswith("tests/") for f in ch.files):
-            cmd = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+            junit = box / ".steps" / "junit.xml"
+            cmd = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests",
+                   f"--junitxml={junit}"]
             tests = run_command(book, cmd, box, timeout, isolated=True)
             tests_failure = tests.failure("pytest", timeout)
             note = (normalise(tests.stdout) or [""])[-1]
+            if not tests_failure and junit.is_file():
+                pages.note_test_run(book, ch.number, junit)
         verdict(3, mutants + ([tests_failure] if tests_failure else []), note)
+        verdict(5, check_page(book, ch, True))
         if main_failure or tests_failure:
             verdicts[7] = ("skipped", ["main or tests failed"])
         else:

@@ -64,7 +64,6 @@ class Hunk:
     new_start: int
     new_len: int
     lines: tuple[str, ...]
-    legacy: bool = False
 
 
 @dataclass(frozen=True)
@@ -231,12 +230,6 @@ def parse_delta(text: str, patch: str) -> dict[str, FileDelta]:
     `rename from` / `rename to` lines (or disagreeing with them) or two renames to one path raise
     DeltaError naming `patch`, the line, the file and the hunk. `text` must come without
     newline translation (`read_patch`).
-
-    A hunk in the older form, which repeated the successor's lines (`+` lines, and context
-    lines in both ranges), is still read, so that `record` can rebuild the trees of a patch
-    written before and rewrite it: its `+` lines are counted against the header and dropped,
-    its context lines kept as tree N's lines, and it is marked `legacy` (`steps.py check`
-    fails such a patch).
     """
     if text and not text.endswith("\n"):
         raise DeltaError(f"{patch}: the last line has no newline; the patch is cut short")
@@ -351,12 +344,8 @@ def _index(start: int, length: int) -> int:
 
 
 def _parse_hunk(lines: list[str], i: int, patch: str, path: str, k: int) -> tuple[Hunk, int, bool]:
-    """The hunk whose header is lines[i], the index after it, and whether it ends a file
-    that has no final newline.
-
-    A hunk is `old_len` `-` lines. A `+` or context line makes it a hunk of the older form
-    (see `parse_delta`): its body then runs until it holds `old_len` lines of tree N and
-    `new_len` of the successor, as unified diff counts them."""
+    """The hunk whose header is lines[i] (its header, then `old_len` `-` lines), the index after
+    it, and whether it ends a file that has no final newline."""
     header = lines[i]
     match = _HUNK_RE.fullmatch(header)
     if match is None:
@@ -365,52 +354,26 @@ def _parse_hunk(lines: list[str], i: int, patch: str, path: str, k: int) -> tupl
         int(g) if g is not None else 1 for g in match.groups()
     )
     name = f"{path}: hunk {k} ({header})"
-    header_line = i + 1
     if (old_len and not old_start) or (new_len and not new_start) or not (old_len or new_len):
         raise DeltaError(f"{patch}:{i + 1}: {name} is misnumbered")
     body: list[str] = []  # tree N's lines
-    olds = news = 0
-    old_ended = new_ended = legacy = changes = False
+    ended = False
     i += 1
-    while olds < old_len or (news < new_len and (legacy or _older_form(lines, i))):
+    while len(body) < old_len:
         line = lines[i] if i < len(lines) else None
-        if line is None or line[:1] not in (" ", "-", "+"):
+        if line is None or line[:1] != "-":
             found = "the end of the patch" if line is None else repr(line)
-            counts = (
-                f"{olds} old and {news} new lines where the header counts {old_len} and {new_len}"
-                if legacy
-                else f"{olds} of the {old_len} '-' lines its header counts"
-            )
-            raise DeltaError(f"{patch}:{i + 1}: {name}: its body has {counts}; found {found}")
-        tag = line[0]
-        legacy = legacy or tag != "-"
-        changes = changes or tag != " "
-        olds += tag != "+"
-        news += tag != "-"
-        if olds > old_len or news > new_len:
             raise DeltaError(
-                f"{patch}:{i + 1}: {name}: its body has more "
-                f"{'old' if olds > old_len else 'new'} lines than the header counts"
+                f"{patch}:{i + 1}: {name}: its body has {len(body)} of the {old_len} '-' lines "
+                f"its header counts; found {found}"
             )
-        if (tag != "+" and old_ended) or (tag != "-" and new_ended):
+        if ended:
             raise DeltaError(f"{patch}:{i + 1}: {name}: a line follows the end of the file")
         i += 1
-        ends = i < len(lines) and lines[i] == NO_NEWLINE
-        if ends:
-            old_ended = old_ended or tag != "+"
-            new_ended = new_ended or tag != "-"
-            i += 1
-        if tag != "+":
-            body.append(line[1:] if ends else line[1:] + "\n")
-    if legacy and not changes:
-        raise DeltaError(f"{patch}:{header_line}: {name} changes nothing")
-    hunk = Hunk(header, old_start, old_len, new_start, new_len, tuple(body), legacy)
-    return hunk, i, old_ended or new_ended
-
-
-def _older_form(lines: list[str], i: int) -> bool:
-    """Whether lines[i] is a `+` or context line: a hunk of the older form goes on."""
-    return i < len(lines) and lines[i][:1] in ("+", " ")
+        ended = i < len(lines) and lines[i] == NO_NEWLINE
+        i += ended
+        body.append(line[1:] if ended else line[1:] + "\n")
+    return Hunk(header, old_start, old_len, new_start, new_len, tuple(body)), i, ended
 
 
 # ---------------------------------------------------------------------------- applying

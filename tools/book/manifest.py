@@ -1,12 +1,14 @@
 """Chapter manifests (chapters/chNN_slug/chapter.toml) and the Book that holds them (chapter 0).
 
 Chapter N's tree, "tree N", is the code as it stands at the end of chapter N. Its file list is
-the `new` and `gone` lists of chapters 0..N replayed. A top-level path (`main.py`, `skeleton.py`,
-`naive.py`) is chapter-owned: tree N reads `chapters/chNN_slug/<path>`, else tree N-1's copy.
-Any other path takes its successor's content (the same path in tree N+1 when tree N+1 holds it,
-else its live copy: `minisgl/...` is python/minisgl/..., anything else the same path at the
-repository root; or, when chapter N's `delta.patch` renames it, the new path in tree N+1) and
-applies chapter N's `delta.patch` to it in reverse (tools/book/delta.py).
+the `new` and `gone` lists of chapters 0..N replayed. A path takes its successor's content (the
+same path in tree N+1 when tree N+1 holds it, else its live copy: `minisgl/...` is
+python/minisgl/..., anything else the same path at the repository root; or, when chapter N's
+`delta.patch` renames it, the new path in tree N+1) and applies chapter N's `delta.patch` to it
+in reverse (tools/book/delta.py). A top-level path (`main.py`, `skeleton.py`, `naive.py`) is
+chapter-owned and has no live copy: tree N reads `chapters/chNN_slug/<path>` when it is there,
+else the successor's content through chapter N's delta when the delta has a section for it,
+else tree N-1's copy (`record` stores each the shortest way that leaves no cycle).
 The newest tree is therefore the live code. Statuses are computed, never stored; `digest`
 records what tree N is meant to be (`steps.py record`).
 """
@@ -42,7 +44,7 @@ def tree_digest(tree: dict[str, bytes]) -> str:
 
 
 def owned(path: str) -> bool:
-    """A chapter-owned path (main.py, skeleton.py, naive.py): stored whole in the folder."""
+    """A chapter-owned path (main.py, skeleton.py, naive.py): it has no live copy."""
     return "/" not in path
 
 
@@ -221,6 +223,7 @@ class Book:
             prev = paths
         self._deltas: dict[int, dict[str, FileDelta]] = {}
         self._cache: dict[tuple[int, str], bytes] = {}
+        self._resolving: set[tuple[int, str]] = set()
 
     def get(self, number: int) -> Chapter:
         for ch in self.chapters:
@@ -274,7 +277,7 @@ class Book:
         if nxt is not None and path in self.paths[nxt.number]:
             return self.content_at(nxt, path), delta.tree_label(nxt.number, path)
         live = self.root / live_rel(path)
-        if live.is_file():
+        if not owned(path) and live.is_file():
             return live.read_bytes(), f"repo/{live_rel(path)}"
         return b"", delta.DEV_NULL
 
@@ -303,40 +306,51 @@ class Book:
             return self._cache[key]
         if path not in self.paths[ch.number]:
             raise StepsError(f"tree {ch.number} has no {path}")
+        if key in self._resolving:
+            raise StepsError(
+                f"chapter {ch.number}: {path} is derived from itself (a delta against a later "
+                f"tree's copy, which inherits it back): {delta.RECORD_HINT}"
+            )
+        self._resolving.add(key)
+        try:
+            data = self._resolve(ch, path)
+        finally:
+            self._resolving.discard(key)
+        self._cache[key] = data
+        return data
+
+    def _resolve(self, ch: Chapter, path: str) -> bytes:
+        section = self.delta(ch).get(path)
         if owned(path):
             own = ch.folder / path
             prev = self.previous(ch)
             if own.is_file():
-                data = own.read_bytes()
-            elif prev is not None and path in self.paths[prev.number]:
-                data = self.content_at(prev, path)
-            else:
+                return own.read_bytes()
+            if section is None:
+                if prev is not None and path in self.paths[prev.number]:
+                    return self.content_at(prev, path)
                 raise StepsError(
-                    f"chapter {ch.number}: {path} has no copy {self.rel(own)} and tree "
+                    f"chapter {ch.number}: {path} has no copy {self.rel(own)}, no section in "
+                    f"{self.rel(ch.patch)}, and tree "
                     f"{ch.number - 1 if prev is None else prev.number} has none to inherit"
                 )
-        else:
-            section = self.delta(ch).get(path)
-            succ, label = self.successor(ch, path, section)
-            name = self.rel(ch.patch)
-            if section is None:
-                if label == delta.DEV_NULL:
-                    raise StepsError(
-                        f"chapter {ch.number}: {path} has no live copy {live_rel(path)}, no "
-                        f"later tree holds it, and {name} has no section for it"
-                    )
-                data = succ
-            else:
-                try:
-                    delta.check_successor(section, label, name)
-                    text = delta.decode_text(succ, label)
-                    data = delta.apply_reverse(
-                        text, section.hunks, patch=name, path=path, successor=label
-                    ).encode("utf-8")
-                except DeltaError as exc:
-                    raise StepsError(str(exc)) from None
-        self._cache[key] = data
-        return data
+        succ, label = self.successor(ch, path, section)
+        name = self.rel(ch.patch)
+        if section is None:
+            if label == delta.DEV_NULL:
+                raise StepsError(
+                    f"chapter {ch.number}: {path} has no live copy {live_rel(path)}, no "
+                    f"later tree holds it, and {name} has no section for it"
+                )
+            return succ
+        try:
+            delta.check_successor(section, label, name)
+            text = delta.decode_text(succ, label)
+            return delta.apply_reverse(
+                text, section.hunks, patch=name, path=path, successor=label
+            ).encode("utf-8")
+        except DeltaError as exc:
+            raise StepsError(str(exc)) from None
 
     def content(self, ch: Chapter, f: TreeFile) -> bytes:
         return self.content_at(ch, f.path)
@@ -364,24 +378,22 @@ class Book:
         return out
 
     def delta_problems(self, ch: Chapter) -> list[str]:
-        """Sections of chapter N's delta that name no non-owned path of tree N; a delta with
-        hunks in the older form (`+` and context lines), which `record` rewrites."""
+        """Sections of chapter N's delta that name no path of tree N, or a chapter-owned path
+        that chapter N's folder also stores whole."""
         try:
             sections = self.delta(ch)
         except StepsError as exc:
             return [str(exc)]
         name = self.rel(ch.patch)
         problems = [
-            f"{name}: a section for {p}, which "
-            + ("is chapter-owned (stored whole)" if owned(p) else f"tree {ch.number} lacks")
+            f"{name}: a section for {p}, which tree {ch.number} lacks"
             for p in sections
-            if owned(p) or p not in self.paths[ch.number]
+            if p not in self.paths[ch.number]
         ]
-        older = [
-            f"{name}: {p}: hunk {k} ({hunk.header}) has '+' or context lines, the older form "
-            f"of a delta, which repeated the successor's lines: {delta.RECORD_HINT} to rewrite it"
-            for p, section in sections.items()
-            for k, hunk in enumerate(section.hunks, 1)
-            if hunk.legacy
+        problems += [
+            f"{name}: a section for {p}, which is also stored whole in "
+            f"chapters/{ch.folder.name}/{p}: {delta.RECORD_HINT} {ch.number} to keep one"
+            for p in sections
+            if owned(p) and (ch.folder / p).is_file()
         ]
-        return problems + older[:1]  # one is enough: `record` rewrites the whole patch
+        return problems

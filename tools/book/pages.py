@@ -18,6 +18,8 @@ import ast
 import re
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
+from xml.etree import ElementTree
 
 from book.manifest import MARKS, Book, Chapter, StepsError, TreeFile
 
@@ -31,6 +33,8 @@ COUNT_RE = re.compile(r"<!-- n: (\w+) (\d+):(\S+) -->([^<]*)<!-- /n -->")
 COUNT_KINDS = ("lines", "nonblank", "code", "tests", "cases")
 CASES_RE = re.compile(r"^(\d+) tests? collected", re.M)
 _CASES: dict[tuple[str, int, str], str] = {}  # (root, N, path) -> cases, once per process
+# (root, N) -> the module of each test case that a run of all of tree N's tests went through
+_RUN: dict[tuple[str, int], list[str]] = {}
 
 
 def read_lines(book: Book, page: str) -> list[str]:
@@ -233,6 +237,12 @@ def collected_cases(book: Book, number: int, rel: str) -> str:
         ch = book.get(number)
         if not any(f.path == rel or f.path.startswith(rel.rstrip("/") + "/") for f in ch.files):
             raise StepsError(f"tree {number} has no {rel} (see `steps.py tree {number}`)")
+        modules = _RUN.get((str(book.root), number))
+        if modules is not None:  # the cases of the run of all tests: what a collection finds
+            dotted = rel.rstrip("/").removesuffix(".py").replace("/", ".")
+            found = sum(m == dotted or m.startswith(dotted + ".") for m in modules)
+            _CASES[key] = f"{found:,}"
+            return _CASES[key]
         cmd = ["python", "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", rel]
         with sandbox(book, ch) as box:
             done = run_command(book, cmd, box, 600, isolated=True, log="collect.log")
@@ -242,6 +252,13 @@ def collected_cases(book: Book, number: int, rel: str) -> str:
                              + (done.stdout + done.stderr)[-800:])
         _CASES[key] = f"{int(found[1]):,}"
     return _CASES[key]
+
+
+def note_test_run(book: Book, number: int, junit: Path) -> None:
+    """Remember the test cases of a run of all of tree N's tests (pytest's --junitxml report),
+    so that `cases` markers on tree N count them instead of collecting again."""
+    cases = ElementTree.parse(junit).getroot().iter("testcase")
+    _RUN[(str(book.root), number)] = [c.get("classname", "") for c in cases]
 
 
 def count_value(book: Book, kind: str, number: int, rel: str) -> str:
