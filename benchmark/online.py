@@ -245,10 +245,14 @@ def summarize_trace(path: Path, windows: list[tuple[str, float, float]]) -> dict
                         "p99": _quantile(turns, 0.99)}
         # when decode tokens leave the scheduler: the end of each step that handed out a
         # decode batch's tokens; the gaps between them are what a running stream sees first
-        ends = [r["t"] + sum(r[p] for p in PARTS) / 1e3
-                for prev, r in zip(steps, steps[1:]) if prev.get("phase") == "decode"]
-        gaps = [1e3 * (b - a) for a, b in zip(ends, ends[1:])]
+        emits = [(r["t"] + sum(r[p] for p in PARTS) / 1e3, prev["size"])
+                 for prev, r in zip(steps, steps[1:]) if prev.get("phase") == "decode"]
+        gaps = [1e3 * (b[0] - a[0]) for a, b in zip(emits, emits[1:])]
+        # a client's inter-token gaps count one gap per stream that waited it: weighted by the
+        # batch that ends it, one long pause of 256 streams outweighs many short ones
+        sizes = [b[1] for b in emits[1:]]
         s["emit_gap_ms"] = {"p50": _quantile(gaps, 0.5), "p99": _quantile(gaps, 0.99),
+                            "p99_by_stream": _weighted_quantile(gaps, sizes, 0.99),
                             "max": round(max(gaps), 3) if gaps else None}
         # shares of the run's wall time: waiting for the GPU's tokens, and busy on the host
         # (a receive can be an idle wait for requests, so it is not counted as busy)
@@ -261,6 +265,17 @@ def summarize_trace(path: Path, windows: list[tuple[str, float, float]]) -> dict
 
 def _quantile(xs: list[float], q: float) -> float | None:
     return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None
+
+
+def _weighted_quantile(xs: list[float], weights: list[int], q: float) -> float | None:
+    """The q-quantile of xs with each x counted weights[i] times."""
+    pairs = sorted(zip(xs, weights))
+    total, seen = sum(weights), 0
+    for x, w in pairs:
+        seen += w
+        if seen > q * total:
+            return round(x, 3)
+    return round(pairs[-1][0], 3) if pairs else None
 
 
 def _med(xs: list[float]) -> float | None:

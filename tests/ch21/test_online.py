@@ -215,4 +215,14 @@ def test_the_step_timer_times_any_package(model_dir: Callable[[str], Path],
     assert s["all"]["turn_ms"]["p99"] >= s["all"]["turn_ms"]["p50"] > 0
     gap = s["all"]["emit_gap_ms"]
     assert gap["max"] >= gap["p99"] >= gap["p50"] > 0
+    assert gap["max"] >= gap["p99_by_stream"] >= gap["p50"]
+
+
+def test_a_pause_that_stalls_many_streams_weighs_as_many_gaps() -> None:
+    # 200 short gaps of one stream each, one pause of 256 streams: a scheduler's p99 over its
+    # gaps misses the pause, a client's p99 over its streams' gaps does not
+    gaps, sizes = [2.0] * 200 + [50.0], [1] * 200 + [256]
+    assert online._quantile(gaps, 0.99) == 2.0
+    assert online._weighted_quantile(gaps, sizes, 0.99) == 50.0
+    assert online._weighted_quantile(gaps, [1] * 201, 0.99) == 2.0
 
