@@ -49,8 +49,11 @@ class Addresses:
 def start_children(args: ServerArgs, addr: Addresses) -> list[Child]:
     """The scheduler (one process per tensor-parallel rank), and the tokenizer: one process that
     also detokenizes, or with --num-tokenizer N a detokenizer and N workers that the API server
-    feeds in turn."""
-    ctx = mp.get_context("spawn")
+    feeds in turn. They are forked from a fork server, a fresh process that has imported
+    torch and transformers and nothing more (no CUDA, no threads): each child skips those
+    seconds of imports, and none inherits this process's state."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers"])
     model, tp = args.scheduler.model_path, args.tp_size
     tok = dict(model_path=model, backend=addr.scheduler, frontend=addr.frontend)
     jobs: list[tuple[str, Callable[..., None], dict[str, Any]]] = [
@@ -110,13 +113,19 @@ async def watch(children: list[Child], manager: FrontendManager,
     waiting, start = {c.name for c in children}, time.monotonic()
     manager.processes = {"launcher": os.getpid()} | {c.name: c.process.pid or 0 for c in children}
     while True:
+        if any(c.process.exitcode is not None for c in children):
+            await asyncio.sleep(0.2)  # one rank's death ends its peers: see the whole cascade
+            dead = sorted((c for c in children if c.process.exitcode is not None),
+                          key=lambda c: (c.process.exitcode or 0) >= 0)  # a signal's first
+            error = "; also gone: ".join(
+                [f"the {dead[0].name} process (pid {dead[0].process.pid}) exited with code "
+                 f"{dead[0].process.exitcode}"]
+                + [", ".join(f"{c.name} (code {c.process.exitcode})" for c in dead[1:])] * (
+                    len(dead) > 1))
+            manager.fail(error)
+            on_failure(error)
+            return
         for c in children:
-            if c.process.exitcode is not None:
-                error = (f"the {c.name} process (pid {c.process.pid}) exited with code "
-                         f"{c.process.exitcode}")
-                manager.fail(error)
-                on_failure(error)
-                return
             if c.name in waiting and c.ready.poll():
                 try:
                     c.ready.recv()
