@@ -291,3 +291,20 @@ def test_every_architecture_serves_hf_greedy_tokens(arch: str, flags: list[str],
     assert status == 200
     assert json.loads(raw)["text"] == tokenizer.decode(hf_greedy(path, prompt, 8)[0],
                                                        skip_special_tokens=True)
+
+
+def test_a_killed_launcher_takes_every_child_with_it(model_dir: Callable[[str], Path],
+                                                     tmp_path: Path) -> None:
+    """kill -9 of the launcher runs none of its clean-up: the kernel stops the children (their
+    parent-death signal), so no process of the server outlives it."""
+    s = Server(model_dir("tiny-qwen3"), tmp_path)
+    try:
+        s.wait_ready()
+        descendants = [p.pid for p in psutil.Process(s.proc.pid).children(recursive=True)]
+        assert len(descendants) >= 2  # the scheduler and the tokenizer at least
+        s.proc.kill()
+        s.proc.wait(timeout=30)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    assert gone(descendants, 10)

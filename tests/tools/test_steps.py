@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -630,6 +631,33 @@ def test_an_owned_file_close_to_its_successor_is_stored_as_its_delta(
     )
 
 
+def test_threads_resolving_one_book_do_not_take_each_other_for_a_cycle(template: Path) -> None:
+    # `check --jobs 2` resolves one Book from two threads: a file one thread is making must not
+    # look to the other like a file derived from itself
+    import threading  # noqa: PLC0415
+
+    from book.manifest import Book  # noqa: PLC0415
+
+    book = Book(template)
+    real = book._resolve
+    book._resolve = lambda ch, path: (time.sleep(0.02), real(ch, path))[1]  # type: ignore[method-assign]
+    errors: list[Exception] = []
+
+    def build_all() -> None:
+        try:
+            for ch in book.chapters:
+                book.tree(ch)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build_all) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
 def test_owned_modes_inherit_then_delta_then_whole() -> None:
     from book.build import owned_modes  # noqa: PLC0415
 
@@ -894,6 +922,7 @@ def test_a_page_shows_a_mutant_report(repo: Path) -> None:
 BENCH = """\
 import random
 import sys
+import time
 from pathlib import Path
 
 if "--quick" in sys.argv:

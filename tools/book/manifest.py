@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,7 +224,7 @@ class Book:
             prev = paths
         self._deltas: dict[int, dict[str, FileDelta]] = {}
         self._cache: dict[tuple[int, str], bytes] = {}
-        self._resolving: set[tuple[int, str]] = set()
+        self._local = threading.local()  # what this thread is resolving (`check --jobs`)
 
     def get(self, number: int) -> Chapter:
         for ch in self.chapters:
@@ -306,16 +307,17 @@ class Book:
             return self._cache[key]
         if path not in self.paths[ch.number]:
             raise StepsError(f"tree {ch.number} has no {path}")
-        if key in self._resolving:
+        resolving: set[tuple[int, str]] = self._local.__dict__.setdefault("resolving", set())
+        if key in resolving:
             raise StepsError(
                 f"chapter {ch.number}: {path} is derived from itself (a delta against a later "
                 f"tree's copy, which inherits it back): {delta.RECORD_HINT}"
             )
-        self._resolving.add(key)
+        resolving.add(key)
         try:
             data = self._resolve(ch, path)
         finally:
-            self._resolving.discard(key)
+            resolving.discard(key)
         self._cache[key] = data
         return data
 

@@ -49,11 +49,8 @@ class Addresses:
 def start_children(args: ServerArgs, addr: Addresses) -> list[Child]:
     """The scheduler (one process per tensor-parallel rank), and the tokenizer: one process that
     also detokenizes, or with --num-tokenizer N a detokenizer and N workers that the API server
-    feeds in turn. They are forked from a fork server, a fresh process that has imported
-    torch and transformers and nothing more (no CUDA, no threads): each child skips those
-    seconds of imports, and none inherits this process's state."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers"])
+    feeds in turn."""
+    ctx = mp.get_context("spawn")
     model, tp = args.scheduler.model_path, args.tp_size
     tok = dict(model_path=model, backend=addr.scheduler, frontend=addr.frontend)
     jobs: list[tuple[str, Callable[..., None], dict[str, Any]]] = [
