@@ -3,7 +3,7 @@ SmolLM2-135M-Instruct，float32，两边同一个进程、同样的 torch 线程
 
     python examples/ch11_speed.py                       # 三种负载，各 5 轮
     python examples/ch11_speed.py --workload mixed --reps 10
-    python examples/ch11_speed.py --quick               # 冒烟测试：每种负载 1 轮、4 个 token
+    python examples/ch11_speed.py --quick               # 冒烟：每种负载 1 轮、4 个 token，不热身
 
 负载：
 - mixed：8 个长短不一的提示词（取自 tools/tiny_corpus.txt，16～320 个 token），贪心，
@@ -85,15 +85,16 @@ def hf_batched(model: torch.nn.Module, pad_id: int, prompts: list[list[int]],
     return run
 
 
-def measure(runs: dict[str, Run], reps: int) -> tuple[dict[str, list[float]], dict]:
-    """One warm-up run each, then `reps` rounds taken in turns."""
+def measure(runs: dict[str, Run], reps: int, warm_up: bool = True) -> tuple[dict[str, list[float]],
+                                                                          dict]:
+    """One warm-up run each (unless not `warm_up`: a smoke run), then `reps` rounds in turns."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     tokens: dict[str, list[list[int]]] = {}
-    for i in range(reps + 1):
+    for i in range(reps + 1 if warm_up else reps):
         for name, run in runs.items():
             start = time.perf_counter()
             tokens[name] = run()
-            if i:
+            if i or not warm_up:
                 times[name].append(time.perf_counter() - start)
     return times, tokens
 
@@ -102,7 +103,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="minisgl LLM.generate against HF generate")
     parser.add_argument("--workload", choices=["mixed", "nano", "loaded"], action="append")
     parser.add_argument("--reps", type=int, default=5, help="timed rounds after one warm-up")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 1 round of 4 tokens")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 1 round of 4 tokens, no warm-up")
     args = parser.parse_args()
     names = args.workload or ["mixed", "nano", "loaded"]
     reps = 1 if args.quick else args.reps
@@ -114,7 +116,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     print(f"machine: {cpu_model()}, {physical_cores()} physical cores; {threads} torch threads "
           f"on both sides; torch {torch.__version__}, transformers {transformers.__version__}")
-    print(f"{MODEL.name}, float32; median of {reps} rounds taken in turns, after a warm-up")
+    print(f"{MODEL.name}, float32; median of {reps} rounds taken in turns"
+          + ("" if args.quick else ", after a warm-up"))
     medians: dict[str, dict[str, float]] = {}
     for name in names:
         prompts, params = workload(name, tokenizer, args.quick)
@@ -122,7 +125,7 @@ def main() -> None:
                 "HF": hf_batched(model, tokenizer.pad_token_id, prompts, params)}
         busy = subprocess.Popen([sys.executable, "-c", BUSY]) if name == "loaded" else None
         try:
-            times, tokens = measure(runs, reps)
+            times, tokens = measure(runs, reps, warm_up=not args.quick)
         finally:
             if busy is not None:
                 busy.kill()
