@@ -61,10 +61,12 @@ class Target:
 
 @dataclass
 class Result:
-    """One request, timed. output_tokens is from `usage` if from_usage, else as requested."""
+    """One request, timed. output_tokens is from `usage` if from_usage, else as requested;
+    `sent` is when it was sent (time.perf_counter, the clock every process on the host shares)."""
 
     ok: bool = False
     error: str = ""
+    sent: float = 0.0
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -141,7 +143,7 @@ async def one_request_async(target: Target, prompt: list[int] | str, max_tokens:
     body = json.dumps(request_body(target.backend, prompt, max_tokens)).encode()
     result, last, done = Result(), 0.0, False
     writer = None
-    start = time.perf_counter()
+    start = result.sent = time.perf_counter()
     try:
         async with asyncio.timeout(target.timeout):
             status, reader, writer, chunked = await _post_stream(target, body)

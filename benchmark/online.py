@@ -170,6 +170,8 @@ def measure(engine: Engine, load: tuple[str, float],
                           else f"pid{pid}"): round((after[pid] - before.get(pid, 0.0)) / wall, 3)
                          for pid in after}
     row["window"] = [t0, t0 + wall]
+    if kind == "concurrency" and value == 1:  # one at a time: each first token can be followed
+        row["first_tokens"] = [[r.sent, r.ttft] for r in run.results if r.ok]  # through the hops
     return row
 
 
@@ -221,9 +223,11 @@ def summarize_pyspy(raw: Path, top: int = 14) -> dict[str, Any]:
             "minisgl_inclusive": inclusive.most_common(top)}
 
 
-def summarize_trace(path: Path, windows: list[tuple[str, float, float]]) -> dict[str, Any]:
+def summarize_trace(path: Path, windows: list[tuple[str, float, float]],
+                    firsts: dict[str, list[list[float]]] | None = None) -> dict[str, Any]:
     """Each run's steps from the scheduler's trace: how many of each phase, the median ms of
-    each part, and the share of the run's time the loop spent waiting for the GPU."""
+    each part, and the share of the run's time the loop spent waiting for the GPU; for a run in
+    `firsts` (one request at a time: its [sent, ttft] pairs) where its first token's time went."""
     if not path.exists():
         return {}
     rows = [json.loads(x) for x in path.read_text().splitlines()]
@@ -256,11 +260,37 @@ def summarize_trace(path: Path, windows: list[tuple[str, float, float]]) -> dict
                             "max": round(max(gaps), 3) if gaps else None}
         # shares of the run's wall time: waiting for the GPU's tokens, and busy on the host
         # (a receive can be an idle wait for requests, so it is not counted as busy)
+        if firsts and label in firsts:
+            # every row: a lone request's prefill step began (t) before the run, while idle
+            s["first_token_ms"] = first_token_hops(rows, firsts[label])
         s["wait_share"] = round(sum(r["wait"] for r in steps) / 1e3 / (b - a), 4)
         s["host_share"] = round(sum(r[p] for r in steps for p in ("prepare", "launch", "reply"))
                                 / 1e3 / (b - a), 4)
         out[label] = s
     return out
+
+
+def first_token_hops(steps: list[dict[str, Any]], firsts: list[list[float]]
+                     ) -> dict[str, float | int | None]:
+    """A lone request's time to first token in three hops, medians in ms: `in` from the client's
+    send to the scheduler's loop picking it up (API server, tokenizer, sockets), `scheduler` from
+    there to its first token leaving the scheduler (prepare, prefill, the next step's launch and
+    the wait: an overlap loop hands a batch's tokens out in the step after it), and `out` from
+    there to the client reading it (detokenizer, API server, HTTP). Both ends read the host's
+    one perf_counter clock. A request is matched with the first prefill step whose pickup falls
+    inside its wait for the first token."""
+    picked = [(r["t"] + r["receive"] / 1e3, r2["t"] + sum(r2[p] for p in PARTS) / 1e3)
+              for r, r2 in zip(steps, steps[1:]) if r.get("phase") == "prefill"]
+    hops: dict[str, list[float]] = {"in": [], "scheduler": [], "out": []}
+    for sent, ttft in firsts:
+        got = next(((p, e) for p, e in picked if sent <= p and e <= sent + ttft), None)
+        if got is None:
+            continue
+        hops["in"].append(1e3 * (got[0] - sent))
+        hops["scheduler"].append(1e3 * (got[1] - got[0]))
+        hops["out"].append(1e3 * (sent + ttft - got[1]))
+    return {"matched": len(hops["in"]), "of": len(firsts),
+            **{k: _med(v) for k, v in hops.items()}}
 
 
 def _quantile(xs: list[float], q: float) -> float | None:
@@ -435,7 +465,12 @@ def main(argv: list[str] | None = None) -> None:
     for e in engines:  # the step timer writes one file per process that ran a scheduler
         if e.trace is not None and (parts := sorted(a.out.glob(f"{e.trace.name}.*"))):
             e.trace.write_text("".join(f.read_text() for f in parts))
-    traces = {e.name: summarize_trace(e.trace, windows[e.name]) for e in engines if e.trace}
+    firsts = {(r["engine"], f"{r['load']} r{r['round']}"): r.pop("first_tokens")
+              for r in rows if "first_tokens" in r}
+    traces = {e.name: summarize_trace(e.trace, windows[e.name],
+                                      {run: v for (name, run), v in firsts.items()
+                                       if name == e.name})
+              for e in engines if e.trace}
     launches = {e.name: json.loads(f.read_text()) for e in engines
                 if (f := a.out / f"launch-{e.name}.json").is_file()}
     text = report(rows, [e.name for e in engines], [label[ld] for ld in loads])

@@ -129,6 +129,24 @@ def test_the_trace_summary_splits_runs_and_phases(tmp_path: Path) -> None:
     assert s["b"]["steps"] == 1 and s["b"]["prefill"]["count"] == 0
 
 
+def test_a_lone_requests_first_token_is_split_into_hops() -> None:
+    # sent at 10.000 s, picked up by the loop 3 ms later (receive ends at 10.003), prefill 1 +
+    # 5 ms; the next step (2 + 1 + 0 + 4 ms) hands its token out at 10.015; the client reads it
+    # at 10.020. A second request whose prefill the trace missed is counted, not matched.
+    def step(t: float, receive: float, parts: tuple[float, ...], phase: str) -> dict:
+        return {"t": t, "receive": receive, **dict(zip(online.PARTS[1:], parts)),
+                "phase": phase, "size": 1, "tokens": 1}
+
+    steps = [step(9.0, 1003.0, (1.0, 5.0, 0.0, 0.0), "prefill"),
+             step(10.009, 0.0, (2.0, 1.0, 0.0, 3.0), "decode"),
+             step(10.015, 0.0, (1.0, 1.0, 0.0, 1.0), "decode")]
+    hops = online.first_token_hops(steps, [[10.0, 0.020], [20.0, 0.020]])
+    assert hops["matched"] == 1 and hops["of"] == 2
+    assert hops["in"] == pytest.approx(3.0)
+    assert hops["scheduler"] == pytest.approx(12.0)
+    assert hops["out"] == pytest.approx(5.0)
+
+
 def test_the_report_gives_ratios_per_round() -> None:
     def row(engine: str, rnd: int, tok: float) -> dict:
         return {"engine": engine, "round": rnd, "load": "c=4", "out_tok_s": tok,
@@ -152,16 +170,16 @@ def test_pyspy_summary(tmp_path: Path) -> None:
 
 def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
                                              tmp_path: Path) -> None:
-    """Two servers of our package, one round each of one load in flight and one rate, with the
-    step trace and the launch profile: every request completes, every number the report needs
-    is there."""
+    """Two servers of our package, one round each of one request in flight and one rate, with
+    the step trace and the launch profile: every request completes, every number the report
+    needs is there, and each lone request's first token is followed through the hops."""
     out = tmp_path / "online"
     python = str(FOLDER.parent / "python")
     done = subprocess.run(
         [sys.executable, str(FOLDER / "online.py"), "--model", str(model_dir("tiny-qwen3")),
          "--engine", f"a={python}", "--engine", f"b={python}", "--server-args", "",
          "--num-pages", "0",
-         "--rounds", "2", "--concurrency", "2", "--rates", "8", "--rate-seconds", "0.5",
+         "--rounds", "2", "--concurrency", "1", "--rates", "8", "--rate-seconds", "0.5",
          "--min-prompts", "3", "--input-len", "8", "24", "--output-len", "4", "6", "--vocab",
          "500", "--trace", "--launch-profile", "3", "--out", str(out),
          "--base-port", str(20000 + os.getpid() % 20000)],
@@ -169,19 +187,24 @@ def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((out / "online.json").read_text())
     assert [(r["round"], r["load"]) for r in result["rows"]] == [
-        (0, "c=2"), (0, "c=2"), (0, "8/s"), (0, "8/s"),
-        (1, "c=2"), (1, "c=2"), (1, "8/s"), (1, "8/s")]
+        (0, "c=1"), (0, "c=1"), (0, "8/s"), (0, "8/s"),
+        (1, "c=1"), (1, "c=1"), (1, "8/s"), (1, "8/s")]
     assert [r["engine"] for r in result["rows"]][:2] == ["a", "b"]  # turns rotate per round
     assert [r["engine"] for r in result["rows"]][4:6] == ["b", "a"]
     for r in result["rows"]:
-        asked = 6 if r["load"] == "c=2" else 4  # 3 per slot in flight; 8/s for 0.5 s
+        asked = 3 if r["load"] == "c=1" else 4  # 3 per slot in flight; 8/s for 0.5 s
         assert r["failed"] == 0 and r["completed"] == asked and r["out_tok_s"] > 0
         assert r["client_cpu"] > 0 and r["server_cpu"]["main"] >= 0
     assert {e["exit_code"] for e in result["engines"].values()} == {0}
     for name in ("a", "b"):
         runs = result["traces"][name]
-        assert set(runs) == {"c=2 r0", "8/s r0", "c=2 r1", "8/s r1"}
+        assert set(runs) == {"c=1 r0", "8/s r0", "c=1 r1", "8/s r1"}
         assert all(s["decode"]["count"] > 0 for s in runs.values())
+        for run in ("c=1 r0", "c=1 r1"):  # every lone request followed through the hops
+            hops = runs[run]["first_token_ms"]
+            assert hops["matched"] == hops["of"] == 3, hops
+            assert min(hops["in"], hops["scheduler"], hops["out"]) > 0, hops
+        assert "first_token_ms" not in runs["8/s r0"]
         assert result["launch_profiles"][name]["launches"] == 3
 
 
