@@ -49,6 +49,7 @@ import bench_serving as bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("receive", "prepare", "launch", "wait", "reply")  # a step's parts, as StepTrace's
+HOPS = ("in", "scheduler", "out")  # a lone request's first token: before, in, after the scheduler
 
 
 @dataclass
@@ -260,6 +261,10 @@ def summarize_trace(path: Path, windows: list[tuple[str, float, float]],
                             "max": round(max(gaps), 3) if gaps else None}
         # shares of the run's wall time: waiting for the GPU's tokens, and busy on the host
         # (a receive can be an idle wait for requests, so it is not counted as busy)
+        counted = [r["cuda"] for r in steps if "cuda" in r]  # the step timer's, prefill rows
+        if len(counted) > 1:  # what the allocator did between the run's first and last prefill
+            s["cuda_allocator"] = dict(zip(("retries", "mallocs", "frees"),
+                                           (b - a for a, b in zip(counted[0], counted[-1]))))
         if firsts and label in firsts:
             # every row: a lone request's prefill step began (t) before the run, while idle
             s["first_token_ms"] = first_token_hops(rows, firsts[label])
@@ -278,19 +283,46 @@ def first_token_hops(steps: list[dict[str, Any]], firsts: list[list[float]]
     the wait: an overlap loop hands a batch's tokens out in the step after it), and `out` from
     there to the client reading it (detokenizer, API server, HTTP). Both ends read the host's
     one perf_counter clock. A request is matched with the first prefill step whose pickup falls
-    inside its wait for the first token."""
+    inside its wait for the first token. The token leaves during the step that hands it out, and
+    that step's end stands for it: `out` is short by the rest of that step, and on a fast path it
+    can come out below zero."""
     picked = [(r["t"] + r["receive"] / 1e3, r2["t"] + sum(r2[p] for p in PARTS) / 1e3)
               for r, r2 in zip(steps, steps[1:]) if r.get("phase") == "prefill"]
-    hops: dict[str, list[float]] = {"in": [], "scheduler": [], "out": []}
+    each: list[list[float] | None] = []  # per request, in the order sent: in, scheduler, out
     for sent, ttft in firsts:
-        got = next(((p, e) for p, e in picked if sent <= p and e <= sent + ttft), None)
-        if got is None:
-            continue
-        hops["in"].append(1e3 * (got[0] - sent))
-        hops["scheduler"].append(1e3 * (got[1] - got[0]))
-        hops["out"].append(1e3 * (sent + ttft - got[1]))
-    return {"matched": len(hops["in"]), "of": len(firsts),
-            **{k: _med(v) for k, v in hops.items()}}
+        got = next(((p, e) for p, e in picked if sent <= p <= sent + ttft), None)
+        spans = (None if got is None
+                 else (got[0] - sent, got[1] - got[0], sent + ttft - got[1]))
+        each.append(None if spans is None else [round(1e3 * x, 4) for x in spans])
+    kept = [x for x in each if x is not None]
+    return {"matched": len(kept), "of": len(firsts),
+            **{k: _med([x[i] for x in kept]) for i, k in enumerate(HOPS)}, "each": each}
+
+
+def paired_hops(traces: dict[str, Any], engines: list[str]) -> list[str]:
+    """Lone requests compared one by one: in a round every engine gets the same prompts in the
+    same order, so request i's hops on an engine minus its hops on the first engine take the
+    prompt out of the difference. Per run: the median difference (and its p10..p90) of the
+    time to first token and of each hop, over the requests matched on both."""
+    base, lines = engines[0], []
+    for name in engines[1:]:
+        for run, s in traces.get(name, {}).items():
+            mine, theirs = (s.get("first_token_ms"),
+                            traces.get(base, {}).get(run, {}).get("first_token_ms"))
+            if not mine or not theirs:
+                continue
+            pairs = [(x, y) for x, y in zip(mine["each"], theirs["each"]) if x and y]
+            if not pairs:
+                continue
+            cols = []
+            for i, hop in enumerate((*HOPS, "total")):
+                d = sorted((sum(x) - sum(y)) if hop == "total" else (x[i] - y[i])
+                           for x, y in pairs)
+                lo, hi = d[int(0.1 * (len(d) - 1))], d[int(0.9 * (len(d) - 1))]
+                cols.append(f"{hop} {statistics.median(d):+.2f} ({lo:+.2f}..{hi:+.2f})")
+            lines.append(f"first token {run}, {name} − {base}, ms per request ({len(pairs)}): "
+                         + ", ".join(cols))
+    return lines
 
 
 def _quantile(xs: list[float], q: float) -> float | None:
@@ -349,7 +381,12 @@ def print_report(result: dict[str, Any]) -> None:
     print("\n".join(result["table"]))
     for name, t in result["traces"].items():
         for run_label, s in t.items():
+            if "first_token_ms" in s:  # its per-request lists are for paired_hops, in the JSON
+                s = {**s, "first_token_ms": {k: v for k, v in s["first_token_ms"].items()
+                                             if k != "each"}}
             print(f"trace {name} {run_label}: {json.dumps(s)}")
+    for line in result.get("first_token_pairs", []):
+        print(line)
     for name, procs in result["profiles"].items():
         for proc, s in procs.items():
             print(f"py-spy {name} {proc}: {s['samples']} busy samples")
@@ -482,6 +519,7 @@ def main(argv: list[str] | None = None) -> None:
                                    "exit_code": codes[e.name]} for e in engines},
               "rows": rows, "windows": windows, "traces": traces, "profiles": profiles,
               "launch_profiles": launches,
+              "first_token_pairs": paired_hops(traces, [e.name for e in engines]),
               "table": text}
     print_report(result)
     (a.out / "online.json").write_text(json.dumps(result, indent=1) + "\n")

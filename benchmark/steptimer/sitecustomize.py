@@ -8,7 +8,8 @@ next batch), `_forward` (launch it) and `_process_last_data` (wait for the previ
 tokens and hand them out). Each step becomes one JSON line in chapter 21's StepTrace shape:
 `t` (perf_counter when the previous step ended), the milliseconds of receive (from then),
 prepare, launch, wait (0: counted in reply) and reply, and the phase, size and new tokens of
-the batch launched. A diagnostic: the wrappers cost about a microsecond per call."""
+the batch launched; a prefill row also carries `cuda`, the caching allocator's counts after its
+launch. A diagnostic: the wrappers cost about a microsecond per call."""
 
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ class _Timer:
             if timer.row is not None:
                 t = time.perf_counter()
                 timer.row["launch"] = round(1e3 * (t - timer.mark), 4)
-                timer.mark = t
+                if timer.row.get("phase") == "prefill":  # after it, outside the timed part:
+                    timer.row["cuda"] = _allocator_counts()  # cudaMalloc/Free so far
+                timer.mark = time.perf_counter()
             return out
 
         def _process_last_data(self, *args, **kwargs):
@@ -80,6 +83,19 @@ class _Timer:
         cls._schedule_next_batch = _schedule_next_batch
         cls._forward = _forward
         cls._process_last_data = _process_last_data
+
+
+def _allocator_counts() -> list[int]:
+    """torch's caching allocator on this process's GPU: [retries after a failed allocation,
+    cudaMalloc calls, cudaFree calls], cumulative. Each of these waits for the device, so
+    one inside a launch stalls it (read after prefill launches only: it costs ~0.1 ms)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [0, 0, 0]
+    stats = torch.cuda.memory_stats()
+    return [int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc",
+                                           "num_device_free")]
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -132,19 +132,36 @@ def test_the_trace_summary_splits_runs_and_phases(tmp_path: Path) -> None:
 def test_a_lone_requests_first_token_is_split_into_hops() -> None:
     # sent at 10.000 s, picked up by the loop 3 ms later (receive ends at 10.003), prefill 1 +
     # 5 ms; the next step (2 + 1 + 0 + 4 ms) hands its token out at 10.015; the client reads it
-    # at 10.020. A second request whose prefill the trace missed is counted, not matched.
+    # at 10.020. A second request whose prefill the trace missed is counted, not matched. A
+    # third one's token reached the client (30.010) before the step that sent it ended (30.012):
+    # matched all the same, its `out` below zero.
     def step(t: float, receive: float, parts: tuple[float, ...], phase: str) -> dict:
         return {"t": t, "receive": receive, **dict(zip(online.PARTS[1:], parts)),
                 "phase": phase, "size": 1, "tokens": 1}
 
     steps = [step(9.0, 1003.0, (1.0, 5.0, 0.0, 0.0), "prefill"),
              step(10.009, 0.0, (2.0, 1.0, 0.0, 3.0), "decode"),
-             step(10.015, 0.0, (1.0, 1.0, 0.0, 1.0), "decode")]
-    hops = online.first_token_hops(steps, [[10.0, 0.020], [20.0, 0.020]])
-    assert hops["matched"] == 1 and hops["of"] == 2
-    assert hops["in"] == pytest.approx(3.0)
-    assert hops["scheduler"] == pytest.approx(12.0)
-    assert hops["out"] == pytest.approx(5.0)
+             step(10.015, 0.0, (1.0, 1.0, 0.0, 1.0), "decode"),
+             step(29.9, 100.5, (1.0, 2.0, 0.0, 0.0), "prefill"),
+             step(30.0035, 0.0, (2.0, 2.0, 0.0, 4.5), "decode")]
+    hops = online.first_token_hops(steps, [[10.0, 0.020], [20.0, 0.020], [30.0, 0.010]])
+    assert hops["matched"] == 2 and hops["of"] == 3
+    assert hops["each"][0] == pytest.approx([3.0, 12.0, 5.0])
+    assert hops["each"][1] is None
+    assert hops["each"][2] == pytest.approx([0.5, 11.5, -2.0])
+    assert hops["in"] == pytest.approx(1.75)  # medians of the matched
+
+
+def test_lone_requests_are_compared_prompt_by_prompt() -> None:
+    def run(each: list) -> dict:
+        return {"c=1 r0": {"first_token_ms": {"each": each}}, "c=4 r0": {}}
+
+    traces = {"a": run([[1.0, 10.0, 1.0], [2.0, 20.0, 1.0], None]),
+              "b": run([[1.5, 12.0, 1.0], [2.0, 21.0, 1.0], [9.0, 9.0, 9.0]])}
+    [line] = online.paired_hops(traces, ["a", "b"])
+    assert line.startswith("first token c=1 r0, b − a, ms per request (2): ")
+    assert "in +0.25 (+0.00..+0.00)" in line  # the median of +0.5 and 0: pairs, not medians
+    assert "scheduler +1.50 (+1.00..+1.00)" in line and "total +1.75" in line
 
 
 def test_the_report_gives_ratios_per_round() -> None:
@@ -203,9 +220,11 @@ def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
         for run in ("c=1 r0", "c=1 r1"):  # every lone request followed through the hops
             hops = runs[run]["first_token_ms"]
             assert hops["matched"] == hops["of"] == 3, hops
-            assert min(hops["in"], hops["scheduler"], hops["out"]) > 0, hops
+            assert min(hops["in"], hops["scheduler"]) > 0, hops
         assert "first_token_ms" not in runs["8/s r0"]
         assert result["launch_profiles"][name]["launches"] == 3
+    assert [x.split(",")[0] for x in result["first_token_pairs"]] == [
+        "first token c=1 r0", "first token c=1 r1"]
 
 
 def test_the_step_timer_times_any_package(model_dir: Callable[[str], Path],
