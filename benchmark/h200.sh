@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Chapter 21's GPU runs, as they were run on an H200: bash benchmark/h200.sh PART OUT
 #   PART: sampler, kernels, offline, workloads, profile, ablate, hf, moe, online, launch, serve,
-#         serve1, tp2, admission (see below)
+#         serve1, tp2, admission, first (see below)
 #   OUT:  a folder for the results (JSON + the printed text)
 # Needs: flashinfer-python 0.5.3, the server's packages and pytest importable (the wheels went
 # to a folder on PYTHONPATH); Q06: the random Qwen3-0.6B shape, made if missing; OFFICIAL: the
@@ -101,6 +101,16 @@ online)  # both servers side by side, rounds in turns: 1/16/64/256 in flight, tw
         --prompts-per-slot 2 --min-prompts 16 --rate-seconds 6 \
         --step-timer --deadline "${DEADLINE:-0}" \
         --out "$OUT/online" 2>&1 | quiet | tee "$OUT/ch21_online.txt"
+    ;;
+first)  # a lone request's first token right after 256 in flight, split into hops before, inside
+    # and after the scheduler and compared request by request (first_token_pairs); each round
+    # runs 256 in flight and then 40 requests one at a time, on each engine in turn
+    # shellcheck disable=SC2046
+    python benchmark/online.py --model "$Q06" \
+        $(printf -- "--engine %s " ${ENGINES:-ours=$PWD/python official=$OFFICIAL}) \
+        --num-pages "${PAGES:-450000}" --rounds 3 --concurrency 256 1 --rates \
+        --prompts-per-slot 2 --min-prompts 40 --step-timer --deadline "${DEADLINE:-0}" \
+        --out "$OUT/first" 2>&1 | quiet | tee "$OUT/ch21_first.txt"
     ;;
 launch)  # where ours's prefill launch spends its host time under load (a diagnostic, not timed)
     python benchmark/online.py --model "$Q06" --engine ours=$PWD/python --engine official=$OFFICIAL \
