@@ -150,6 +150,7 @@ def kernel_cases(dtype: torch.dtype, t: int) -> dict[str, KernelCase]:
         return torch.randn(*shape, generator=g, device="cuda").to(dtype)
 
     x, r, w = rand(t, hidden), rand(t, hidden), rand(hidden)
+    x2, r2 = x.clone(), r.clone()  # ours works in place: its first call sees these values
     qkv, wd = rand(t, (hq + 2 * hk) * d), rand(d)
     q, k = qkv[:, :hq * d], qkv[:, hq * d:(hq + hk) * d]
     positions = torch.randint(0, 4096, (t,), generator=g, device="cuda", dtype=torch.int32)
@@ -176,7 +177,7 @@ def kernel_cases(dtype: torch.dtype, t: int) -> dict[str, KernelCase]:
     return {
         "rms_norm [T,1024]": (lambda: cuda.rms_norm(x, w, 1e-6),
                               lambda: reference.rms_norm(x, w, 1e-6), 2 * t * hidden * size),
-        "add+rms_norm [T,1024]": (lambda: cuda.fused_add_rms_norm(x, r, w, 1e-6),
+        "add+rms_norm [T,1024]": (lambda: cuda.fused_add_rms_norm(x2, r2, w, 1e-6),
                                   lambda: reference.fused_add_rms_norm(x, r, w, 1e-6),
                                   4 * t * hidden * size),
         "q_norm [T,16,128] in qkv": (lambda: cuda.rms_norm(qn, wd, 1e-6),

@@ -61,8 +61,13 @@ def test_rms_norm_wide_and_narrow(dtype: torch.dtype, cols: int) -> None:
     w = torch.randn(cols, generator=g).to(dtype)
     for xx in (x, _unaligned(x)):
         assert _close(cuda.rms_norm(xx, w, 1e-6), _rms_norm64(x, w))
-        normed, total = cuda.fused_add_rms_norm(xx, r, w, 1e-6)
-        assert torch.equal(total, (x.double() + r.double()).to(dtype))
+    want_total = (x.double() + r.double()).to(dtype)  # the sum, rounded once
+    for xx in (x.clone(), _unaligned(x)):
+        rr = r.clone()
+        normed, total = cuda.fused_add_rms_norm(xx, rr, w, 1e-6)
+        # in place, as FlashInfer's: the norm in x's memory, the sum in the residual's
+        assert normed.data_ptr() == xx.data_ptr() and total.data_ptr() == rr.data_ptr()
+        assert torch.equal(total, want_total)
         assert _close(normed, _rms_norm64(total, w))
 
 

@@ -63,6 +63,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual). Ours writes them into x and residual; the reference
+    returns new tensors: a caller uses what is returned, and neither input again."""
     return (cuda if ours(x) else reference).fused_add_rms_norm(x, residual, weight, eps)
 
 

@@ -102,10 +102,10 @@ __global__ void embedding_kernel(uint16_t* __restrict__ out, const uint16_t* __r
 // s = x + residual goes to residual_out and is what gets normalised. A block per row, or, for
 // short rows (kWarpRows), a warp per row and several rows a block; each thread moves N elements
 // at a time. A warp past the last row still joins its shuffles (the emulator needs every
-// thread of the block at each).
+// thread of the block at each). Every element is read and written by one thread, reads first,
+// so out may be x and residual_out residual (in place, no __restrict__ on those four).
 template <typename T, int N, bool kWarpRows>
-__global__ void rms_norm_kernel(T* __restrict__ out, T* __restrict__ residual_out,
-                                const T* __restrict__ x, const T* __restrict__ residual,
+__global__ void rms_norm_kernel(T* out, T* residual_out, const T* x, const T* residual,
                                 const T* __restrict__ weight, int64_t rows, int64_t inner,
                                 int64_t outer_stride, int64_t inner_stride, int64_t cols,
                                 float eps) {
