@@ -168,8 +168,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) in one pass and in place, as FlashInfer's: the sum
     goes into residual, its norm into x, and those two are returned. Nothing is allocated: a
-    prefill makes two of these calls a layer, and two outputs each were half the host
-    allocations of its forward."""
+    prefill makes two of these calls a layer, and allocating their outputs would be half the
+    host allocations of its forward."""
     assert x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape
     _call(x, "rms_norm", x.data_ptr(), residual.data_ptr(), x.data_ptr(), residual.data_ptr(),
           weight.data_ptr(), DTYPES[x.dtype], *_rows(x), x.shape[-1], eps)
