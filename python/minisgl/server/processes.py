@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -50,7 +51,11 @@ def start_children(args: ServerArgs, addr: Addresses) -> list[Child]:
     """The scheduler (one process per tensor-parallel rank), and the tokenizer: one process that
     also detokenizes, or with --num-tokenizer N a detokenizer and N workers that the API server
     feeds in turn."""
-    ctx = mp.get_context("spawn")
+    # each child forks from one fork server that has imported this module, and with it what the
+    # children run (torch and transformers among it), so no child imports them again; importing
+    # touches no CUDA, which each scheduler rank initialises in its own process after the fork
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     model, tp = args.scheduler.model_path, args.tp_size
     tok = dict(model_path=model, backend=addr.scheduler, frontend=addr.frontend)
     jobs: list[tuple[str, Callable[..., None], dict[str, Any]]] = [
@@ -81,9 +86,13 @@ def _child_main(target: Callable[..., None], kwargs: dict[str, Any]) -> None:
     """Every child: Ctrl-C reaches the whole process group, but only the launcher acts on it
     (it stops the children with SIGTERM, in order); and a child dies with its launcher."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # CPython's fork server hands each child a copy of the pipe whose closing tells it that the
+    # launcher is gone (an attribute it keeps private); with this copy closed, the fork server
+    # exits with the launcher, and its exit sends this child the parent-death signal below
+    os.close(forkserver._forkserver._forkserver_alive_fd)  # type: ignore[attr-defined]
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    # a spawned child starts with logging unconfigured: its INFO lines (the attention backend
+    # a child starts with logging unconfigured: its INFO lines (the attention backend
     # chosen, the graphs captured) would be dropped
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     target(**kwargs)
