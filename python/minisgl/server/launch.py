@@ -81,7 +81,17 @@ async def serve(args: ServerArgs, addr: Addresses, children: list[Child]) -> int
         failures.append(error)
         server.should_exit = True
 
-    watcher = asyncio.create_task(watch(children, manager, failed))
+    async def start_then_watch() -> None:
+        # the fork server imports everything before the first child exists (seconds): the
+        # children start in a thread, and meanwhile the port is open and /health answers 503
+        try:
+            await asyncio.to_thread(start_children, args, addr, children)
+        except Exception as exc:  # whatever stops them from starting ends the server
+            failed(f"the children could not be started: {exc!r}")
+            return
+        await watch(children, manager, failed)
+
+    watcher = asyncio.create_task(start_then_watch())
     logger.info("serving %s on http://%s:%d (starting; /health answers 503 until ready)",
                 args.model_name, args.host, args.port)
     try:
@@ -107,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = IpcNamespace()
     children: list[Child] = []
     try:
-        children = start_children(args, Addresses(ns))
         if args.shell:
+            start_children(args, Addresses(ns), children)
             return asyncio.run(run_shell(args, Addresses(ns), children))
         return asyncio.run(serve(args, Addresses(ns), children))
     except KeyboardInterrupt:

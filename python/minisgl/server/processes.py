@@ -47,10 +47,13 @@ class Addresses:
         self.fanout, self.rendezvous = ns.addr("fanout"), f"file://{ns.root / 'rendezvous'}"
 
 
-def start_children(args: ServerArgs, addr: Addresses) -> list[Child]:
+def start_children(args: ServerArgs, addr: Addresses, children: list[Child]) -> None:
     """The scheduler (one process per tensor-parallel rank), and the tokenizer: one process that
     also detokenizes, or with --num-tokenizer N a detokenizer and N workers that the API server
-    feeds in turn."""
+    feeds in turn.
+
+    Each is appended to `children` once started, so that stop_children sees every one even
+    while this runs in another thread."""
     # each child forks from one fork server that has imported this module, and with it what the
     # children run (torch and transformers among it), so no child imports them again; importing
     # touches no CUDA, which each scheduler rank initialises in its own process after the fork
@@ -71,7 +74,6 @@ def start_children(args: ServerArgs, addr: Addresses) -> list[Child]:
                                                       bind_inbox=False,
                                                       detokenizer=addr.detokenizer))
              for i in range(args.num_tokenizer)]
-    children = []
     for name, target, kwargs in jobs:
         ready_recv, ready_send = ctx.Pipe(duplex=False)
         process = ctx.Process(target=_child_main, name=f"minisgl-{name}",
@@ -79,7 +81,6 @@ def start_children(args: ServerArgs, addr: Addresses) -> list[Child]:
         process.start()
         ready_send.close()  # the child holds the only writer: its death ends the pipe
         children.append(Child(name, process, ready_recv))
-    return children
 
 
 def _child_main(target: Callable[..., None], kwargs: dict[str, Any]) -> None:
