@@ -50,7 +50,8 @@ def children_cpu() -> float:
 def one_start(package: Path, model: Path) -> dict[str, float]:
     """Start, wait for ready, one request, SIGTERM, reap every descendant: the three figures."""
     port, tmp = free_port(), tempfile.mkdtemp(prefix="start-cost-")
-    env = dict(os.environ, TMPDIR=tmp, PYTHONPATH=str(package.resolve()))
+    env = dict(os.environ, TMPDIR=tmp, PYTHONPATH=os.pathsep.join(
+        [str(package.resolve()), os.environ.get("PYTHONPATH", "")]))
     cpu0, t0 = children_cpu(), time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "minisgl", "--model", str(model), "--port", str(port),
