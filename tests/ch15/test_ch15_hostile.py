@@ -404,15 +404,19 @@ def test_sigterm_drains_16_streams_none_cut_silently(model_dir: Callable[[str], 
     assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]
 
 
-def test_a_second_signal_stops_at_once(model: Path, tmp_path: Path) -> None:
-    s = Server(model, tmp_path, "--shutdown-timeout", "60")
-    s.wait_ready()
+def test_a_second_signal_stops_at_once(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """The stream is still going at both signals (400 tokens of SmolLM2 take seconds on a CPU,
+    where tiny-qwen3's can end within the 1.5 s): the first starts a drain that would wait for
+    it, the second stops the server at once."""
+    s = Server(model_dir("SmolLM2-135M-Instruct"), tmp_path, "--shutdown-timeout", "60")
+    s.wait_ready(timeout_s=300)
     results: list[Any] = []
     t = threading.Thread(target=_stream, args=(s, 400, results))
     t.start()
     time.sleep(1.0)
     s.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
+    assert t.is_alive(), f"the stream ended before the second signal: {results}"
     start = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(timeout=15) == 0 and time.monotonic() - start < 10

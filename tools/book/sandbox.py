@@ -48,29 +48,37 @@ class TreeOnlyFinder:
 
 
 _OPENED = set()  # set() rather than a literal: this text goes through str.format
+LOG = os.environ.get("MINISGL_STEPS_LOG")
 
 
 def _audit(event, args):
-    """Every file this process opens (imports included), recorded as it happens: pytest may
-    drop a module from sys.modules (two conftest.py files do that), so exit is too late."""
+    """Every file of the tree this process opens (imports included), logged as it happens:
+    pytest may drop a module from sys.modules (two conftest.py files do that), and a child of a
+    fork server leaves through os._exit, which runs no exit hook."""
     if event == "open" and args and isinstance(args[0], str):
         real = os.path.realpath(args[0])
         if real.startswith(TREE + os.sep):
-            _OPENED.add(real[len(TREE) + 1:])
+            name = real[len(TREE) + 1:]
+            if name not in _OPENED:
+                _OPENED.add(name)
+                if LOG and not name.startswith(".steps/"):
+                    with open(LOG, "a", encoding="utf-8") as stream:
+                        stream.write(name + "\\n")
 
 
 def _log_imports():
-    log = os.environ.get("MINISGL_STEPS_LOG")
-    if not log:
+    """At exit, the modules this process holds without having opened them (inherited from the
+    process it was forked from)."""
+    if not LOG:
         return
-    used = set(name for name in _OPENED if not name.startswith(".steps/"))
+    used = set()
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
         real = os.path.realpath(file) if isinstance(file, str) else ""
         if real.startswith(TREE + os.sep) and not real.startswith(TREE + "/.steps/"):
             used.add(real[len(TREE) + 1:])
-    with open(log, "a", encoding="utf-8") as stream:
-        stream.write("".join(name + "\\n" for name in sorted(used)))
+    with open(LOG, "a", encoding="utf-8") as stream:
+        stream.write("".join(name + "\\n" for name in sorted(used - _OPENED)))
 
 
 sys.meta_path.insert(0, TreeOnlyFinder)
