@@ -1,11 +1,13 @@
 """The first token's last hop in isolation: the time from "the first reply is here" (an
 asyncio.Event set on the server's loop) to the client's first body byte, on FastAPI + uvicorn
-over loopback, two ways taken in turns:
+over loopback, three ways taken in turns:
 
   after:  the handler waits for the reply, then builds the StreamingResponse (ours: an error
           can still be a 4xx);
   before: the handler returns the StreamingResponse at once, its generator waits for the
-          reply (the official: the headers are out before the prefill ends).
+          reply (the official: the headers are out before the prefill ends);
+  held:   the handler returns at once a response that holds its status line until the reply
+          is here (an error can still be a 4xx), then sends headers and the first event.
 
     python benchmark/first_write.py --rounds 400
 """
@@ -22,6 +24,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -55,6 +58,24 @@ async def after() -> StreamingResponse:
 async def before() -> StreamingResponse:
     event = shared["event"] = asyncio.Event()
     return StreamingResponse(_after_event(event), media_type="text/event-stream")
+
+
+class _Held(StreamingResponse):
+    """Sends nothing, headers included, until `event` is set."""
+
+    def __init__(self, event: asyncio.Event) -> None:
+        super().__init__(_one_chunk(), media_type="text/event-stream")
+        self.event = event
+
+    async def stream_response(self, send: Any) -> None:
+        await self.event.wait()
+        await super().stream_response(send)
+
+
+@app.get("/held")
+async def held() -> StreamingResponse:
+    event = shared["event"] = asyncio.Event()
+    return _Held(event)
 
 
 @app.get("/loop")
@@ -98,9 +119,10 @@ def main() -> None:
             break
         except OSError:
             time.sleep(0.1)
-    times: dict[str, list[float]] = {"after": [], "before": []}
+    times: dict[str, list[float]] = {"after": [], "before": [], "held": []}
     for r in range(args.warmup + args.rounds):
-        for path in ("after", "before") if r % 2 else ("before", "after"):
+        order = list(times)
+        for path in order[r % 3:] + order[:r % 3]:
             ms = one(port, path)
             if r >= args.warmup:
                 times[path].append(ms)
