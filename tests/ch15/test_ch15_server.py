@@ -153,6 +153,20 @@ def test_bad_input_gets_openai_errors_and_the_server_goes_on(server: Server) -> 
     assert greedy(server).choices[0].message.content == before
 
 
+def test_a_stream_that_cannot_run_is_a_400_before_any_event(server: Server) -> None:
+    """A prompt only the tokenizer can find too long: its error is the first reply, and the
+    status line waits for it, so a client that asked for a stream gets OpenAI's 400, not a 200
+    whose stream breaks."""
+    text = "hello " * MAX_SEQ_LEN
+    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+                       ("/v1/completions", {"prompt": text}), ("/generate", {"prompt": text})]:
+        status, raw = server.request("POST", path, {"model": "tiny", "max_tokens": 4,
+                                                    "stream": True, **body})
+        assert status == 400, (path, raw)
+        assert "max_seq_len" in json.loads(raw)["error"]["message"], (path, raw)
+    assert greedy(server).choices[0].finish_reason == "length"  # and it goes on serving
+
+
 # --- load and clients that go away ---------------------------------------------------------------
 
 def test_64_concurrent_streams_each_equal_its_solo_output(server: Server) -> None:

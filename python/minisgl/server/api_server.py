@@ -16,12 +16,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.types import Send
 
 from minisgl.core import FinishReason, SamplingParams
 from minisgl.message import UserReply
 
 from .frontend import FrontendManager
-from .limits import Guard, Limits
+from .limits import Guard, Limits, send_error
 from .protocol import (
     APIError,
     ChatRequest,
@@ -156,31 +157,62 @@ async def _answer(request: Request, m: FrontendManager, shape: Shape | None,
     """Submit, wait for the first reply (so that an error can still be a 4xx), then answer
     whole or as server-sent events. A client that goes away aborts the request."""
     uid = await m.submit(prompt, params, stop, cache_salt or "")
-    batches = m.batches(uid)
+    answers = m.batches(uid)
+    if stream:
+        return _HeldStream(answers, m, shape, include_usage)
     try:
-        first = await _unless_gone(request, batches.__anext__())
+        first = await _unless_gone(request, answers.__anext__())
     except ClientGone:
-        await batches.aclose()
+        await answers.aclose()
         return Response(status_code=499)  # nobody reads it; the request is aborted
     if first[0].finish_reason == "error":
-        await batches.aclose()
+        await answers.aclose()
         raise _error_of(first[0], m)
-    if not stream:
-        async with aclosing(batches):
-            try:
-                last, text = await _unless_gone(request, _collect(first, batches))
-            except ClientGone:
-                return Response(status_code=499)
-        if last.finish_reason == "error":
-            raise _error_of(last, m)
-        u = usage(last.prompt_tokens, last.completion_tokens)
-        if shape is None:
-            return JSONResponse({"text": text, "finish_reason": last.finish_reason, "usage": u})
-        return JSONResponse(shape.full(text, _openai_reason(last), u))
-    events = (_generate_events(first, batches) if shape is None
-              else _openai_events(shape, first, batches, include_usage))
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    async with aclosing(answers):
+        try:
+            last, text = await _unless_gone(request, _collect(first, answers))
+        except ClientGone:
+            return Response(status_code=499)
+    if last.finish_reason == "error":
+        raise _error_of(last, m)
+    u = usage(last.prompt_tokens, last.completion_tokens)
+    if shape is None:
+        return JSONResponse({"text": text, "finish_reason": last.finish_reason, "usage": u})
+    return JSONResponse(shape.full(text, _openai_reason(last), u))
+
+
+class _HeldStream(StreamingResponse):
+    """Server-sent events handed to Starlette at once, with the status line held until the
+    first reply: an error is still a 4xx, and what Starlette does before a response's first
+    byte (its task group, the listener for a disconnect) runs during the prefill, not after the
+    first token. A client that goes away before it cancels the wait (Starlette's listener)."""
+
+    def __init__(self, answers: AsyncGenerator[Batch, None], m: FrontendManager,
+                 shape: Shape | None, include_usage: bool) -> None:
+        super().__init__(_no_events(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.answers, self.manager = answers, m
+        self.shape, self.include_usage = shape, include_usage
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            first = await self.answers.__anext__()
+        except BaseException:  # cancelled: the client went away
+            await self.answers.aclose()
+            raise
+        if first[0].finish_reason == "error":
+            await self.answers.aclose()
+            await send_error(send, _error_of(first[0], self.manager))
+            return
+        self.body_iterator = (
+            _generate_events(first, self.answers) if self.shape is None
+            else _openai_events(self.shape, first, self.answers, self.include_usage))
+        await super().stream_response(send)
+
+
+async def _no_events() -> AsyncIterator[bytes]:
+    return
+    yield  # an async generator that yields nothing: replaced once the first reply is here
 
 
 async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
