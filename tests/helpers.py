@@ -2,7 +2,7 @@
 block (chapters 1-5), a model that records its logits and HF's cached greedy reference (3-5),
 the batches the scheduler logged (8, 15), chat answers from the server, one question asked of a
 fresh server (the mains of 17-19) and what a killed one leaves behind (15-16), TP ranks on real
-processes (16, 20), a `--shell` session (18-20) and the fake GPU libraries (19-20).
+processes (16, 20, 22), a `--shell` session (18-20) and the fake GPU libraries (19-20).
 
 It imports minisgl and serving only where a helper runs, so that it loads in every tree that
 holds it."""
@@ -134,16 +134,32 @@ def assert_cleaned_up_after_kill(server: Server, name: str, tmp_path: Path,
     assert not [p for p in tmp_path.iterdir() if p.name != "server.log"]
 
 
+def _rank_main(environ: dict[str, str], path: list[str], target: Callable[..., None],
+               *args: object) -> None:
+    """One rank's process: the test's environment and import path as they are now (the fork
+    server's own were taken when it started), then target."""
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
+    target(*args)
+
+
 def run_ranks(target: Callable[..., None], size: int, tmp_path: Path, *args: object,
               timeout_s: float = 120) -> tuple[list[tuple], list[int | None]]:
-    """target(rank, size, rendezvous, *args, out) on `size` spawned processes: what they put in
-    `out`, in the order it came, failing at once if a rank dies or when not all came within
-    timeout_s; and the ranks' exit codes. Every process is gone when this returns."""
-    ctx = mp.get_context("spawn")
+    """target(rank, size, rendezvous, *args, out) on `size` processes: what they put in `out`,
+    in the order it came, failing at once if a rank dies or when not all came within
+    timeout_s; and the ranks' exit codes. Every process is gone when this returns.
+
+    The ranks fork from a fork server that imported target's module (and with it torch) once
+    for this test process, as the server's children do (chapter 15): a spawned rank would
+    import them again, seconds of CPU each."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([target.__module__])  # taken when the fork server first starts
     out = ctx.Queue()
     tmp_path.mkdir(parents=True, exist_ok=True)
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=target, args=(r, size, rendezvous, *args, out))
+    procs = [ctx.Process(target=_rank_main, args=(dict(os.environ), list(sys.path), target, r,
+                                                  size, rendezvous, *args, out))
              for r in range(size)]
     results: list[tuple] = []
     try:
