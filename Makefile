@@ -7,6 +7,11 @@
 # PYTEST_ADDOPTS: three pytest plugins that installed packages register and no test uses
 # (test_ch15_schema.py calls schemathesis itself); loading them costs each of the run's dozens
 # of pytest processes about a second of CPU (measured on one trivial test: 2.5 -> 1.3 s).
+# pytest's two workers (and each chapter's tests in `steps.py check --jobs 2`) get one torch
+# thread each: two already fill the cores (tests of chapters 9 and 11: 17.8 -> 12.8 s of CPU).
+# MINISGL_REFERENCE_CACHE: a folder for this run only, where HF's greedy answers are kept for
+# the run's other processes (tests/reference.py): the live tests, the trees' tests and mains
+# ask HF the same questions.
 # TORCH_INDEX=<url> picks another wheel index for torch on machines without a CUDA GPU.
 # The newest chapter's tests run once, in `steps.py check`: its tree is the package itself
 # (property 4), so running them here as well would check the same code twice.
@@ -28,7 +33,8 @@ test: export PYTEST_ADDOPTS ?= -p no:schemathesis -p no:anyio -p no:platformdirs
 test: $(STAMP)
 	$(PY) tools/models.py tiny
 	$(PY) tools/models.py smollm2
-	ruff check . && mypy && time python -m pytest -q -n 2 --durations=10 $(NEWEST_TESTS:%=--ignore=%) && time python tools/steps.py check --jobs 2 && mkdocs build --strict
+	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && export MINISGL_REFERENCE_CACHE=$$cache && \
+	ruff check . && mypy && time OMP_NUM_THREADS=1 python -m pytest -q -n 2 --durations=10 $(NEWEST_TESTS:%=--ignore=%) && time python tools/steps.py check --jobs 2 && mkdocs build --strict
 
 docs: $(STAMP)
 	mkdocs serve

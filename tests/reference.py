@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
 import sys
+import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,6 +37,41 @@ def hf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
+Reference = tuple[list[int], list[torch.Tensor]]
+
+
+def kept_for_the_run(generate: Callable[[Path, list[int], int], Reference]
+                     ) -> Callable[[Path, list[int], int], Reference]:
+    """Where MINISGL_REFERENCE_CACHE names a folder (`make test` makes a fresh one and removes
+    it at the end), HF's answer is kept there for the other processes of the same run: the live
+    tests, every tree's tests and mains ask it the same questions. The key: the model's files
+    (path, size, modification time), the prompt, n and the torch and transformers versions."""
+
+    @functools.wraps(generate)
+    def kept(path: Path, prompt: list[int], n: int) -> Reference:
+        folder = os.environ.get("MINISGL_REFERENCE_CACHE")
+        if not folder:
+            return generate(path, prompt, n)
+        import transformers
+
+        files = [(str(f), f.stat().st_size, f.stat().st_mtime_ns)
+                 for f in sorted(Path(path).resolve().iterdir()) if f.is_file()]
+        key = repr([files, [int(t) for t in prompt], n, torch.__version__,
+                    transformers.__version__])
+        file = Path(folder) / (hashlib.sha256(key.encode()).hexdigest() + ".pt")
+        if file.is_file():
+            tokens, logits = torch.load(file, weights_only=True)
+            return tokens, list(logits)
+        tokens, logits_list = generate(path, prompt, n)
+        with tempfile.NamedTemporaryFile(dir=folder, delete=False) as f:  # whole or not at all
+            torch.save((tokens, torch.stack(logits_list) if logits_list else torch.empty(0)), f)
+        os.replace(f.name, file)
+        return tokens, logits_list
+
+    return kept
+
+
+@kept_for_the_run
 def hf_greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
     """HF `generate`, greedy: the n new tokens and the raw logits [vocab] of every step."""
     ids = torch.tensor([prompt])
