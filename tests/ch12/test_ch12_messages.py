@@ -13,6 +13,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -188,6 +189,9 @@ def _echo(inbox: str, outbox: str) -> None:
         while not isinstance(msg := pull.get(), ExitMsg):
             push.put(msg)
         push.put(BatchFrontendMsg([UserReply(-1, "refused", True, prompt_tokens=pull.refused)]))
+        # the queues close with linger 0: had the connection to outbox not come up yet, closing
+        # would drop every echo (it happened once under load); wait up to 30 s for them to leave
+        push.socket.setsockopt(zmq.LINGER, 30_000)
 
 
 def test_queue_between_two_processes_survives_a_malformed_frame() -> None:

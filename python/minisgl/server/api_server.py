@@ -154,8 +154,8 @@ async def _answer(request: Request, m: FrontendManager, shape: Shape | None,
                   prompt: str | list[dict[str, str]] | list[int], params: SamplingParams,
                   stop: list[str],
                   stream: bool, include_usage: bool, cache_salt: str | None) -> Response:
-    """Submit, wait for the first reply (so that an error can still be a 4xx), then answer
-    whole or as server-sent events. A client that goes away aborts the request."""
+    """Submit; answer a stream at once (its status line waits for the first reply, so that an
+    error is still a 4xx), a whole answer after it. A client that goes away aborts the request."""
     uid = await m.submit(prompt, params, stop, cache_salt or "")
     answers = m.batches(uid)
     if stream:
