@@ -7,8 +7,6 @@
 # PYTEST_ADDOPTS: three pytest plugins that installed packages register and no test uses
 # (test_ch15_schema.py calls schemathesis itself); loading them costs each of the run's dozens
 # of pytest processes about a second of CPU (measured on one trivial test: 2.5 -> 1.3 s).
-# pytest's two workers (and each chapter's tests in `steps.py check --jobs 2`) get one torch
-# thread each: two already fill the cores (tests of chapters 9 and 11: 17.8 -> 12.8 s of CPU).
 # MINISGL_REFERENCE_CACHE: a folder for this run only, where HF's greedy answers are kept for
 # the run's other processes (tests/reference.py): the live tests, the trees' tests and mains
 # ask HF the same questions.
@@ -34,7 +32,7 @@ test: $(STAMP)
 	$(PY) tools/models.py tiny
 	$(PY) tools/models.py smollm2
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && export MINISGL_REFERENCE_CACHE=$$cache && \
-	ruff check . && mypy && time OMP_NUM_THREADS=1 python -m pytest -q -n 2 --durations=10 $(NEWEST_TESTS:%=--ignore=%) && time python tools/steps.py check --jobs 2 && mkdocs build --strict
+	ruff check . && mypy && time python -m pytest -q -n 2 --durations=10 $(NEWEST_TESTS:%=--ignore=%) && time python tools/steps.py check --jobs 2 && mkdocs build --strict
 
 docs: $(STAMP)
 	mkdocs serve

@@ -160,11 +160,9 @@ def check_used(ch: Chapter, box: Path) -> list[str]:
 
 
 def check_chapter(
-    book: Book, ch: Chapter, blocks: list[Block], run: bool, timeout: float,
-    test_env: dict[str, str] | None = None,
+    book: Book, ch: Chapter, blocks: list[Block], run: bool, timeout: float
 ) -> dict[int, Verdict]:
-    """The verdict on each of the eight properties for chapter N; `test_env` adds variables to
-    the run of its tests."""
+    """The verdict on each of the eight properties for chapter N."""
     verdicts: dict[int, Verdict] = {}
 
     def verdict(n: int, problems: list[str], note: str = "") -> None:
@@ -203,7 +201,7 @@ def check_chapter(
             junit = box / ".steps" / "junit.xml"
             cmd = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests",
                    f"--junitxml={junit}"]
-            tests = run_command(book, cmd, box, timeout, isolated=True, env=test_env)
+            tests = run_command(book, cmd, box, timeout, isolated=True)
             tests_failure = tests.failure("pytest", timeout)
             note = (normalise(tests.stdout) or [""])[-1]
             if not tests_failure and junit.is_file():
@@ -248,15 +246,9 @@ def check(book: Book, numbers: list[int], run: bool, timeout: float, jobs: int =
     counts = {"ok": 0, "FAIL": 0, "skipped": 0, "n/a": 0}
     blocks = find_blocks(book)
 
-    # Several chapters at once already fill the cores: each chapter's tests get one torch
-    # thread (the mains and benchmarks keep their own choice, which their outputs print).
-    # Measured on this book's tests of chapters 9 and 11, alone: 17.8 -> 12.8 s of CPU.
-    test_env = {"OMP_NUM_THREADS": "1"} if jobs > 1 else None
-
     def timed(ch: Chapter) -> tuple[dict[int, Verdict], float]:
         began = time.perf_counter()
-        verdicts = check_chapter(book, ch, blocks, run, timeout, test_env)
-        return verdicts, time.perf_counter() - began
+        return check_chapter(book, ch, blocks, run, timeout), time.perf_counter() - began
 
     def header(ch: Chapter) -> None:
         print(f"chapter {ch.number} ({ch.folder.name}): {ch.title}", flush=True)
