@@ -151,8 +151,9 @@ def run_ranks(target: Callable[..., None], size: int, tmp_path: Path, *args: obj
     timeout_s; and the ranks' exit codes. Every process is gone when this returns.
 
     The ranks fork from a fork server that imported target's module (and with it torch) once
-    for this test process, as the server's children do (chapter 15): a spawned rank would
-    import them again, seconds of CPU each."""
+    for this test process: a spawned rank would import them again, seconds of CPU each. Not
+    from this process itself, as the server's children fork from its launcher (chapter 15):
+    a test has already run torch's compute threads here, which a forked child may not get."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([target.__module__])  # taken when the fork server first starts
     out = ctx.Queue()

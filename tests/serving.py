@@ -22,6 +22,20 @@ MAX_SEQ_LEN = 512  # the servers' context: long enough to be aborted mid-way, sh
 STOP_S = 30  # how long a stopping server may take before a test calls it hung
 
 
+# `python -m minisgl` whose scheduler process waits argv[1] seconds before it starts, as a large
+# model's load would: the launcher has forked it and serves HTTP meanwhile
+HELD_START = """import runpy, sys, time
+import minisgl.server.launch as launch
+processes = sys.modules[launch.start_children.__module__]
+worker, held_s = processes.scheduler_worker, float(sys.argv.pop(1))
+def held(**kwargs):
+    time.sleep(held_s)
+    worker(**kwargs)
+processes.scheduler_worker = held
+runpy.run_module("minisgl", run_name="__main__")
+"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -31,16 +45,19 @@ def free_port() -> int:
 class Server:
     """`python -m minisgl` in a subprocess, its ipc folder and log under `tmp`."""
 
-    def __init__(self, model: Path, tmp: Path, *flags: str, debug: bool = True) -> None:
-        """debug: serve /debug/* (the tests read the processes and the scheduler's stats)."""
+    def __init__(self, model: Path, tmp: Path, *flags: str, debug: bool = True,
+                 held_s: float = 0.0) -> None:
+        """debug: serve /debug/* (the tests read the processes and the scheduler's stats);
+        held_s: the scheduler process starts that much later (HELD_START)."""
         self.tmp, self.port = tmp, free_port()
         package_root = Path(importlib.util.find_spec("minisgl").origin).parent.parent
         env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join(
             [str(package_root), os.environ.get("PYTHONPATH", "")]))
         self.log = tmp / "server.log"
         with open(self.log, "wb") as log:
+            start = ["-c", HELD_START, str(held_s)] if held_s else ["-m", "minisgl"]
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "minisgl", "--model", str(model), "--port", str(self.port),
+                [sys.executable, *start, "--model", str(model), "--port", str(self.port),
                  "--max-seq-len-override", str(MAX_SEQ_LEN), "--num-pages", "8192",
                  *(["--enable-debug"] if debug else []), *flags],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

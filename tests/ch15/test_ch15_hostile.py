@@ -183,8 +183,9 @@ KEY = "sk-test-0123456789"
 def guarded(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     s = Server(model, tmp_path_factory.mktemp("guarded"), "--api-key", KEY,
                "--max-request-bytes", "4096", "--max-connections", "12", "--header-timeout", "1",
-               "--body-timeout", "1", "--max-running-requests", "2", "--max-queued-requests", "1")
-    s.starting = []  # what /v1/models answered while the server started
+               "--body-timeout", "1", "--max-running-requests", "2", "--max-queued-requests", "1",
+               held_s=2)
+    s.starting = []  # what /v1/models answered while the server started (its scheduler held)
     while True:
         try:
             status, _ = s.request("GET", "/v1/models", timeout=5,

@@ -221,11 +221,11 @@ def test_clients_that_go_away_give_back_every_row_and_page(server: Server) -> No
 def test_workers_then_sigterm_leaves_nothing(model: Path, tmp_path: Path,
                                              server: Server) -> None:
     expected = greedy(server).choices[0].message.content
-    s = Server(model, tmp_path, "--num-tokenizer", "2", "--shutdown-timeout", "1")
+    s = Server(model, tmp_path, "--num-tokenizer", "2", "--shutdown-timeout", "1", held_s=2)
     got: list[tuple[int, bytes]] = []
     try:
         seen = s.wait_ready()
-        assert seen[0] == 503 and seen[-1] == 200  # answering, but "starting", at first
+        assert seen[0] == 503 and seen[-1] == 200  # answering, but "starting", at first (held)
         assert sorted(s.processes) == ["detokenizer", "launcher", "scheduler", "tokenizer-0",
                                        "tokenizer-1"]
         assert greedy(s).choices[0].message.content == expected

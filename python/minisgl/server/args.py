@@ -22,6 +22,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # prompt tokens per prefill step: while a long prompt fills in such steps, running streams get
 # every other step; on the CPU a smaller step keeps their gaps short (measured there)
 GPU_PREFILL_CHUNK, CPU_PREFILL_CHUNK = 8192, 256
+# The launcher forks its children (processes.py), and a forked child cannot use CUDA once its
+# parent has initialised it: GPUs are counted with torch.cuda.device_count(), which asks NVML
+# and leaves CUDA alone, never with torch.cuda.is_available(), which initialises the driver.
 
 
 @dataclass(frozen=True)
@@ -118,8 +121,8 @@ def _tp_error(tp: int, model_path: str) -> str | None:
     """Why the model cannot be split tp ways here, or None: said before any process starts."""
     if tp < 1:
         return f"--tp-size must be 1 or more, not {tp}"
-    if torch.cuda.is_available() and tp > torch.cuda.device_count():
-        return f"--tp-size {tp}: one GPU per rank, and this machine has {torch.cuda.device_count()}"
+    if 0 < (gpus := torch.cuda.device_count()) < tp:
+        return f"--tp-size {tp}: one GPU per rank, and this machine has {gpus}"
     try:
         local_config(ModelConfig.from_hf(load_hf_config(model_path)), DistributedInfo(0, tp))
     except ValueError as e:
@@ -128,7 +131,7 @@ def _tp_error(tp: int, model_path: str) -> str | None:
 
 
 def _prefill_chunk() -> int:
-    return GPU_PREFILL_CHUNK if torch.cuda.is_available() else CPU_PREFILL_CHUNK
+    return GPU_PREFILL_CHUNK if torch.cuda.device_count() > 0 else CPU_PREFILL_CHUNK
 
 
 def _dtype(name: str, model_path: str) -> torch.dtype:

@@ -64,8 +64,8 @@ async def drain(manager: FrontendManager, server: uvicorn.Server, timeout_s: flo
 
 
 async def serve(args: ServerArgs, addr: Addresses, children: list[Child]) -> int:
-    """HTTP until SIGINT/SIGTERM (0, after a drain) or a child's death (1). Until every
-    process is ready, every route but /health answers 503."""
+    """HTTP until SIGINT/SIGTERM (0, after a drain) or a child's death (1), for the children
+    just started. Until every one is ready, every route but /health answers 503."""
     limits = args.limits
     manager = FrontendManager(addr.tokenizer if args.num_tokenizer else addr.detokenizer,
                               args.num_tokenizer > 0, addr.frontend, limits.max_requests)
@@ -81,17 +81,7 @@ async def serve(args: ServerArgs, addr: Addresses, children: list[Child]) -> int
         failures.append(error)
         server.should_exit = True
 
-    async def start_then_watch() -> None:
-        # the fork server imports everything before the first child exists (seconds): the
-        # children start in a thread, and meanwhile the port is open and /health answers 503
-        try:
-            await asyncio.to_thread(start_children, args, addr, children)
-        except Exception as exc:  # whatever stops them from starting ends the server
-            failed(f"the children could not be started: {exc!r}")
-            return
-        await watch(children, manager, failed)
-
-    watcher = asyncio.create_task(start_then_watch())
+    watcher = asyncio.create_task(watch(children, manager, failed))
     logger.info("serving %s on http://%s:%d (starting; /health answers 503 until ready)",
                 args.model_name, args.host, args.port)
     try:
@@ -117,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = IpcNamespace()
     children: list[Child] = []
     try:
+        start_children(args, Addresses(ns), children)  # forks: before any thread starts
         if args.shell:
-            start_children(args, Addresses(ns), children)
             return asyncio.run(run_shell(args, Addresses(ns), children))
         return asyncio.run(serve(args, Addresses(ns), children))
     except KeyboardInterrupt:

@@ -10,10 +10,10 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -52,13 +52,20 @@ def start_children(args: ServerArgs, addr: Addresses, children: list[Child]) -> 
     also detokenizes, or with --num-tokenizer N a detokenizer and N workers that the API server
     feeds in turn.
 
-    Each is appended to `children` once started, so that stop_children sees every one even
-    while this runs in another thread."""
-    # each child forks from one fork server that has imported this module, and with it what the
-    # children run (torch and transformers among it), so no child imports them again; importing
-    # touches no CUDA, which each scheduler rank initialises in its own process after the fork
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    Each is appended to `children` once started, so that stop_children sees every one even if
+    a later one fails to start.
+
+    Every child is forked from the launcher, which imported what they run (torch and
+    transformers among it) with this module, so no child imports anything again. A fork copies
+    only the thread that calls it: call this before the launcher starts a thread of its own
+    (uvicorn, asyncio.to_thread), and before anything in it initialises CUDA, which each
+    scheduler rank does in its own process after the fork."""
+    if threading.active_count() > 1:
+        raise RuntimeError("start_children forks the launcher: call it before any thread starts")
+    if "torch.cuda" in sys.modules and sys.modules["torch.cuda"].is_initialized():
+        raise RuntimeError("start_children forks the launcher, which has initialised CUDA: a "
+                           "forked child could not use the GPU; initialise it in the ranks")
+    ctx = mp.get_context("fork")
     model, tp = args.scheduler.model_path, args.tp_size
     tok = dict(model_path=model, backend=addr.scheduler, frontend=addr.frontend)
     jobs: list[tuple[str, Callable[..., None], dict[str, Any]]] = [
@@ -87,12 +94,11 @@ def _child_main(target: Callable[..., None], kwargs: dict[str, Any]) -> None:
     """Every child: Ctrl-C reaches the whole process group, but only the launcher acts on it
     (it stops the children with SIGTERM, in order); and a child dies with its launcher."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # CPython's fork server hands each child a copy of the pipe whose closing tells it that the
-    # launcher is gone (an attribute it keeps private); with this copy closed, the fork server
-    # exits with the launcher, and its exit sends this child the parent-death signal below
-    os.close(forkserver._forkserver._forkserver_alive_fd)  # type: ignore[attr-defined]
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        parent = mp.parent_process()
+        if parent is not None and os.getppid() != parent.pid:
+            return  # the launcher died before the line above: no signal will come, so leave
     # a child starts with logging unconfigured: its INFO lines (the attention backend
     # chosen, the graphs captured) would be dropped
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
