@@ -83,7 +83,12 @@ def one_start(package: Path, model: Path) -> dict[str, float]:
             os.waitpid(-1, 0)
         except ChildProcessError:
             break
-    return {"ready_s": ready, "cpu_s": children_cpu() - cpu0, "gone_s": time.monotonic() - t1}
+    gone_s = time.monotonic() - t1
+    if left := os.listdir(tmp):  # the server's private ipc folder was here: none may remain
+        print(f"{package}: the stopped server left {left} in {tmp}")
+    else:
+        os.rmdir(tmp)
+    return {"ready_s": ready, "cpu_s": children_cpu() - cpu0, "gone_s": gone_s}
 
 
 def main() -> None:

@@ -52,14 +52,12 @@ def start_children(args: ServerArgs, addr: Addresses, children: list[Child]) -> 
     also detokenizes, or with --num-tokenizer N a detokenizer and N workers that the API server
     feeds in turn.
 
-    Each is appended to `children` once started, so that stop_children sees every one even if
-    a later one fails to start.
+    Each is appended to `children` once started, so that stop_children sees every one.
 
     Every child is forked from the launcher, which imported what they run (torch and
     transformers among it) with this module, so no child imports anything again. A fork copies
-    only the thread that calls it: call this before the launcher starts a thread of its own
-    (uvicorn, asyncio.to_thread), and before anything in it initialises CUDA, which each
-    scheduler rank does in its own process after the fork."""
+    only the calling thread: call this before the launcher starts a thread (uvicorn,
+    asyncio.to_thread) or initialises CUDA (each scheduler rank does, after the fork)."""
     if threading.active_count() > 1:
         raise RuntimeError("start_children forks the launcher: call it before any thread starts")
     if "torch.cuda" in sys.modules and sys.modules["torch.cuda"].is_initialized():
