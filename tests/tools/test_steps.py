@@ -1050,6 +1050,20 @@ def test_record_all_takes_an_edit_of_a_shared_file_into_every_tree(
     assert done.returncode != 0 and "takes no N or DIR" in done.stderr
 
 
+def test_record_all_refuses_a_tree_whose_delta_no_longer_fits(repo: Path, tmp_path: Path) -> None:
+    # tree 0 has its own util.py (a delta); a live edit that moves its lines makes the reverse
+    # hunk replace the wrong line, and the tree it gives does not parse
+    steps_ok(repo, ["build", "0", str(tmp_path / "t0")])
+    edit(tmp_path / "t0", "minisgl/util.py", "upper", "lower")
+    steps_ok(repo, ["record", "0", str(tmp_path / "t0")])
+    edit(repo, "python/minisgl/util.py", "def ", "import os\n\n\ndef ")
+    before = {p: p.read_bytes() for p in (repo / "chapters").rglob("*") if p.is_file()}
+    done = steps_cmd(repo, "record", "--all")
+    assert done.returncode != 0, done.stdout
+    assert "tree 0's minisgl/util.py would not parse" in done.stderr, done.stderr
+    assert {p: p.read_bytes() for p in (repo / "chapters").rglob("*") if p.is_file()} == before
+
+
 def moved_book(repo: Path) -> Path:
     """The book with a longer minisgl/util.py in both trees, committed; then chapter 1 moves it
     to minisgl/text.py with a docstring added, and `record` stores that."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import atexit
 import difflib
 import io
@@ -192,6 +193,24 @@ def _shorter_as_delta(m: int, path: str, data: bytes, succ: bytes) -> bool:
     return delta.section_length(path, old, new, delta.tree_label(m, path)) < old.count("\n")
 
 
+def _must_parse(ch: Chapter, tree: dict[str, bytes]) -> None:
+    """`record --all` takes every tree as it now materialises. A reverse hunk of a file that the
+    live edit moved lands by line number, not by content, and can leave a broken tree: refuse
+    any whose Python does not parse (a wrong tree that still parses is not caught here)."""
+    for path, data in sorted(tree.items()):
+        if path.endswith(".py"):
+            try:
+                ast.parse(data, path)
+            except SyntaxError as exc:
+                raise StepsError(
+                    f"record --all: tree {ch.number}'s {path} would not parse (line {exc.lineno}: "
+                    f"{exc.msg}): chapter {ch.number}'s delta.patch no longer fits the edited "
+                    f"file. Nothing was written. Undo the live edit, `build {ch.number} DIR`, "
+                    f"make the edit there as well, redo it live, `record`, then "
+                    f"`record {ch.number} DIR`"
+                ) from None
+
+
 def record(book: Book, number: int | None, src: Path | None, every: bool = False) -> int:
     """`steps.py record [N [DIR]]`: make tree N what it is now (or what DIR holds), keep every
     other tree as recorded, re-derive every delta.patch and write N's digest. `record --all`:
@@ -204,11 +223,12 @@ def record(book: Book, number: int | None, src: Path | None, every: bool = False
         if number is not None or src is not None:
             raise StepsError("`record --all` takes no N or DIR")
         trees = [book.tree(ch) for ch in chapters[:-1]] + [live_tree(book, chapters[-1])]
-        for ch, tree in zip(chapters, trees):
-            digest = tree_digest(tree)
-            if digest != ch.digest:
-                write_digest(ch, digest)
-                print(f"tree {ch.number}: digest {digest}")
+        changed = [(ch, t) for ch, t in zip(chapters, trees) if tree_digest(t) != ch.digest]
+        for ch, tree in changed:
+            _must_parse(ch, tree)
+        for ch, tree in changed:
+            write_digest(ch, digest := tree_digest(tree))
+            print(f"tree {ch.number}: digest {digest}")
         return record(Book(book.root), None, None)
     target = book.get(number) if number is not None else chapters[-1]
     if src is not None and target is chapters[-1]:
