@@ -7,7 +7,7 @@ This process makes itself the subreaper of everything it starts (PR_SET_CHILD_SU
 helper that outlives the launcher is reaped here and its CPU is counted too (Linux only).
 
     python benchmark/start_cost.py --model models/tiny-qwen3 --rounds 5 \
-        --engine spawn=OLD/python --engine forkserver=python --json out.json
+        --engine forkserver=OLD/python --engine fork=python --json out.json
 """
 
 from __future__ import annotations
