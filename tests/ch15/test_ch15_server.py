@@ -21,7 +21,10 @@ from typing import Any
 import openai
 import psutil
 import pytest
+import torch
 from transformers import AutoTokenizer
+
+from minisgl.server.args import parse_args
 
 from helpers import assert_cleaned_up_after_kill, chat_answer, questions
 from reference import hf_greedy
@@ -323,3 +326,14 @@ def test_a_killed_launcher_takes_every_child_with_it(model_dir: Callable[[str], 
         if s.proc.poll() is None:
             s.proc.kill()
     assert gone(descendants, 10)
+
+
+def test_the_launcher_counts_gpus_without_initialising_cuda(
+        model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher forks its children, and a child cannot use CUDA that its parent has
+    initialised: reading the flags must not call torch.cuda.is_available(), which does."""
+    def initialises_cuda() -> bool:
+        raise AssertionError("torch.cuda.is_available() initialises CUDA before the fork")
+
+    monkeypatch.setattr(torch.cuda, "is_available", initialises_cuda)
+    assert parse_args(["--model", str(model)]).scheduler.model_path == str(model)
