@@ -25,7 +25,7 @@ HEADER = "\n".join(
         "",
         "这一页由 `python tools/steps.py pages --index` 从各章的代码树生成，`steps.py check` 在它"
         "与代码树不一致时失败，所以它不会过时。下面按模块列出 `python/minisgl/` 里的类和函数，"
-        "每一项给出**引入**它的章（第一棵在这个文件里定义它的树）和此后**修改**过它的章。",
+        "每一项给出**引入**它的章（第一棵在这个文件里定义它的树）和此后**修改**过它的章，都写章号。",
         "",
         "收录规则：",
         "",
@@ -136,7 +136,7 @@ def render(book: Book) -> str:
         lines += [f"## `{path}`", "", "| 名字 | 引入 | 修改 |", "| --- | --- | --- |"]
         for name, (intro, changes) in rows.items():
             changed = "、".join(_link(book, c, str(c.number)) for c in changes) or "—"
-            first = _link(book, intro, f"第 {intro.number} 章")
+            first = _link(book, intro, str(intro.number))
             lines.append(f"| `{name}` | {first} | {changed} |")
         lines.append("")
     return "\n".join(lines)
