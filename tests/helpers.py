@@ -2,7 +2,8 @@
 block (chapters 1-5), a model that records its logits and HF's cached greedy reference (3-5),
 the batches the scheduler logged (8, 15), chat answers from the server, one question asked of a
 fresh server (the mains of 17-19) and what a killed one leaves behind (15-16), TP ranks on real
-processes (16, 20, 22), a `--shell` session (18-20) and the fake GPU libraries (19-20).
+processes (16, 20, 22), a `--shell` session (18-20), the fake GPU libraries (19-20) and a copy
+event that is never ready (21).
 
 It imports minisgl and serving only where a helper runs, so that it loads in every tree that
 holds it."""
@@ -36,6 +37,17 @@ if TYPE_CHECKING:
 
 FAKES = Path(__file__).resolve().parent / "fakes"  # chapter 17's flashinfer and sgl_kernel
 FAKE_MODULES = ("flashinfer", "sgl_kernel", "sgl_kernel.flash_attn")
+
+
+class BusyEvent:
+    """A copy event that never says it is done, as while a GPU still computes (the CPU's
+    NullEvent always is). Waiting on it returns at once: the work is done on the CPU."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
 
 
 @contextmanager
