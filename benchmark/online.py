@@ -283,10 +283,11 @@ def first_token_hops(steps: list[dict[str, Any]], firsts: list[list[float]]
     the wait: an overlap loop hands a batch's tokens out in the step after it), and `out` from
     there to the client reading it (detokenizer, API server, HTTP). Both ends read the host's
     one perf_counter clock. A request is matched with the first prefill step whose pickup falls
-    inside its wait for the first token. The token leaves during the step that hands it out, and
-    that step's end stands for it: `out` is short by the rest of that step, and on a fast path it
-    can come out below zero."""
-    picked = [(r["t"] + r["receive"] / 1e3, r2["t"] + sum(r2[p] for p in PARTS) / 1e3)
+    inside its wait for the first token. The token leaves during the step that hands it out:
+    at `early` where that step handed it out before its launch, else that step's end stands for
+    it (`out` is then short by the rest of that step, and on a fast path it can come out below
+    zero)."""
+    picked = [(r["t"] + r["receive"] / 1e3, _handed_out(r2))
               for r, r2 in zip(steps, steps[1:]) if r.get("phase") == "prefill"]
     each: list[list[float] | None] = []  # per request, in the order sent: in, scheduler, out
     for sent, ttft in firsts:
@@ -297,6 +298,14 @@ def first_token_hops(steps: list[dict[str, Any]], firsts: list[list[float]]
     kept = [x for x in each if x is not None]
     return {"matched": len(kept), "of": len(firsts),
             **{k: _med([x[i] for x in kept]) for i, k in enumerate(HOPS)}, "each": each}
+
+
+def _handed_out(step: dict[str, Any]) -> float:
+    """When a step handed out the previous batch's tokens: `early` says so where it did that
+    before its launch, else its end stands for it."""
+    if step.get("early"):
+        return step["t"] + step["early"] / 1e3
+    return step["t"] + sum(step[p] for p in PARTS) / 1e3
 
 
 def paired_hops(traces: dict[str, Any], engines: list[str]) -> list[str]:

@@ -8,8 +8,11 @@ next batch), `_forward` (launch it) and `_process_last_data` (wait for the previ
 tokens and hand them out). Each step becomes one JSON line in chapter 21's StepTrace shape:
 `t` (perf_counter when the previous step ended), the milliseconds of receive (from then),
 prepare, launch, wait (0: counted in reply) and reply, and the phase, size and new tokens of
-the batch launched; a prefill row also carries `cuda`, the caching allocator's counts after its
-launch. A diagnostic: the wrappers cost about a microsecond per call."""
+the batch launched; `early` where the previous batch's tokens were handed out before this
+batch's launch (ours, when they are ready and a prefill is on either side): when they left,
+in milliseconds after `t` (that time counts in reply);
+a prefill row also carries `cuda`, the caching allocator's counts after its launch. A
+diagnostic: the wrappers cost about a microsecond per call."""
 
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ PATH = os.environ.get("MINISGL_STEP_TIMER", "")
 class _Timer:
     def __init__(self, path: str) -> None:
         self.path, self.rows, self.row = path, [], None
+        self.early: tuple[float, float] | None = None  # a hand-out before scheduling
+        self.early_ms = 0.0  # this step's early hand-out, added to its reply
+        self.launching = False  # this step's batch was launched
         self.last_end = time.perf_counter()
         atexit.register(self.flush)
 
@@ -46,9 +52,14 @@ class _Timer:
             t0 = time.perf_counter()
             out = schedule(self, *args, **kwargs)
             t1 = time.perf_counter()
-            began = timer.last_end
+            began, early = timer.last_end, timer.early
             timer.row = {"t": round(began, 6), "receive": round(1e3 * (t0 - began), 4),
                          "prepare": round(1e3 * (t1 - t0), 4), "launch": 0.0, "wait": 0.0}
+            if early:  # handed out between receive and this: reply, not receive
+                timer.row["receive"] = round(1e3 * (early[0] - began), 4)
+                timer.row["early"] = round(1e3 * (early[1] - began), 4)
+                timer.early_ms = 1e3 * (early[1] - early[0])
+                timer.early = None
             if out is not None:
                 batch = out.batch
                 timer.row.update(phase="prefill" if batch.is_prefill else "decode",
@@ -58,6 +69,7 @@ class _Timer:
             return out
 
         def _forward(self, *args, **kwargs):
+            timer.launching = True
             out = forward(self, *args, **kwargs)
             if timer.row is not None:
                 t = time.perf_counter()
@@ -68,15 +80,26 @@ class _Timer:
             return out
 
         def _process_last_data(self, *args, **kwargs):
+            t0 = time.perf_counter()
             out = process(self, *args, **kwargs)
             t = time.perf_counter()
-            if timer.row is not None:
-                # everything from the launch's end: ours's bookkeeping after launch included
-                timer.row["reply"] = round(1e3 * (t - timer.mark), 4)
-                timer.rows.append(timer.row)
-                timer.row = None
-                if len(timer.rows) >= 512:
-                    timer.flush()
+            # ours hands a batch's tokens out early where they are ready and a prefill is on
+            # either side: before the next batch is scheduled, or before a prefill's launch
+            if timer.row is None:
+                timer.early = (t0, t)
+                return out
+            if not timer.launching and timer.row.get("phase") == "prefill":
+                timer.row["early"] = round(1e3 * (t - timer.row["t"]), 4)
+                timer.early_ms += 1e3 * (t - t0)
+                timer.mark = t  # the launch is timed from here
+                return out
+            # everything from the launch's end: ours's bookkeeping after launch included, and
+            # an early hand-out if there was one
+            timer.row["reply"] = round(1e3 * (t - timer.mark) + timer.early_ms, 4)
+            timer.rows.append(timer.row)
+            timer.row, timer.launching, timer.early_ms = None, False, 0.0
+            if len(timer.rows) >= 512:
+                timer.flush()
             timer.last_end = t
             return out
 

@@ -170,11 +170,15 @@ class Scheduler:
             self.add_req(req)
         if trace is not None:
             trace.mark()
+        if last_data is not None and last_data[0].batch.is_prefill:
+            last_data = self._hand_out_if_ready(last_data)  # first tokens: before scheduling
         forward_input = self._schedule_next_batch()
         if trace is not None:
             trace.mark()
             if forward_input is not None:
                 trace.launched(forward_input.batch)
+        if last_data is not None and forward_input is not None and forward_input.batch.is_prefill:
+            last_data = self._hand_out_if_ready(last_data)  # before a long launch
         ongoing = None
         if forward_input is not None:
             with self._launching(forward_input.batch):
@@ -197,6 +201,22 @@ class Scheduler:
             trace.mark()
             trace.end()
         return ongoing
+
+    def _hand_out_if_ready(self, last_data: ForwardData) -> ForwardData | None:
+        """Batch N's tokens, handed out now if they are already on the host (the device has
+        nothing left to overlap them with), rather than after batch N+1's launch. The loop
+        asks in two places. Before N+1 is scheduled, when N was a prefill: its tokens are first
+        tokens, and this is the order of the loop without overlap. After N+1 is scheduled, when
+        N+1 is a prefill: its launch (eager, hundreds of kernels) takes milliseconds of host
+        time, and N's requests are not in it, so handing out (which may release them) cannot
+        touch it. Returns what is left to process after the launch: None if handed out."""
+        if not last_data[1].copy_done.query():
+            return last_data
+        began = time.perf_counter()
+        self._process_last_data(last_data)
+        if self.trace is not None:
+            self.trace.handed_out_early(began, time.perf_counter())
+        return None
 
     @torch.inference_mode()
     def run_forever(self) -> NoReturn:

@@ -23,7 +23,9 @@ class StepTrace:
     """One row per loop iteration: when it began (time.perf_counter(), the monotonic clock), the
     milliseconds spent receiving requests, scheduling and preparing the next batch, launching
     it, waiting for the previous batch's tokens, and handing them out; the phase and size of
-    the batch launched (none when the step only finished the previous one)."""
+    the batch launched (none when the step only finished the previous one). Where the previous
+    batch's tokens were handed out before this one's launch (Scheduler._hand_out_if_ready),
+    that time counts as reply, and `early` says when they left: milliseconds after `t`."""
 
     PARTS = ("receive", "prepare", "launch", "wait", "reply")
 
@@ -32,6 +34,7 @@ class StepTrace:
         self.rows: list[dict[str, object]] = []
         self.marks: list[float] = []
         self.batch: dict[str, object] = {}
+        self.early: list[tuple[str, float, float]] = []  # (the part it fell in, began, ended)
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
@@ -39,7 +42,12 @@ class StepTrace:
         return cls(path) if path else None
 
     def begin(self) -> None:
-        self.marks, self.batch = [time.perf_counter()], {}
+        self.marks, self.batch, self.early = [time.perf_counter()], {}, []
+
+    def handed_out_early(self, began: float, ended: float) -> None:
+        """The previous batch's tokens were handed out inside a later part (prepare or
+        launch): that time is moved to reply."""
+        self.early.append((self.PARTS[len(self.marks) - 1], began, ended))
 
     def mark(self) -> None:
         """The end of the next part, in PARTS order."""
@@ -55,7 +63,12 @@ class StepTrace:
         if len(m) != len(self.PARTS) + 1 or len(self.rows) >= MAX_ROWS:
             return
         row: dict[str, object] = {"t": round(m[0], 6)}  # monotonic: other processes can match
-        row.update({p: round(1e3 * (b - a), 4) for p, a, b in zip(self.PARTS, m, m[1:])})
+        ms = {p: 1e3 * (b - a) for p, a, b in zip(self.PARTS, m, m[1:])}
+        for part, began, ended in self.early:
+            ms[part] -= 1e3 * (ended - began)
+            ms["reply"] += 1e3 * (ended - began)
+            row["early"] = round(1e3 * (ended - m[0]), 4)  # when they left, from `t`
+        row.update({p: round(v, 4) for p, v in ms.items()})
         row.update(self.batch)
         self.rows.append(row)
 
