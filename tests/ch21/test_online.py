@@ -230,7 +230,10 @@ def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
 def test_the_step_timer_times_any_package(model_dir: Callable[[str], Path],
                                           tmp_path: Path) -> None:
     """benchmark/steptimer wraps the scheduler of whatever minisgl is imported (here ours, on
-    the GPU the official's too): one row per step, prefill rows carry the prompts' tokens."""
+    the GPU the official's too): one row per step, prefill rows carry the prompts' tokens. On
+    the CPU the prefill's tokens are ready at once, so ours hands them out before the next
+    batch is scheduled: that step's row says when (`early`), and a first token is matched to
+    that moment rather than to the step's end."""
     script = ("from minisgl.llm import LLM\nfrom minisgl.core import SamplingParams\n"
               f"llm = LLM({str(model_dir('tiny-qwen3'))!r})\n"
               "llm.generate([[5] * 30, [7] * 50], SamplingParams(max_tokens=5, ignore_eos=True))\n")
@@ -252,6 +255,13 @@ def test_the_step_timer_times_any_package(model_dir: Callable[[str], Path],
     assert phases[0] == "prefill" and rows[0]["tokens"] == 80 and rows[0]["size"] == 2
     assert phases.count("decode") == 4  # 5 tokens: one from the prefill, four decode steps
     assert all(r["launch"] > 0 for r in rows if "phase" in r)
+    assert all(r[p] >= 0 for r in rows for p in online.PARTS)
+    step = rows[1]  # the first decode step, which handed the first tokens out first
+    assert "early" in step and all("early" not in r for r in rows[2:])
+    assert step["receive"] <= step["early"] <= sum(step[p] for p in online.PARTS) + 0.01
+    hops = online.first_token_hops(rows, [[rows[0]["t"], step["t"] + step["early"] / 1e3
+                                           - rows[0]["t"] + 0.001]])
+    assert hops["matched"] == 1 and hops["out"] == pytest.approx(1.0, abs=1e-3)
     s = online.summarize_trace(part, [("all", rows[0]["t"], rows[-1]["t"])])
     assert s["all"]["prefill"]["tokens_p50"] == 80
     assert s["all"]["turn_ms"]["p99"] >= s["all"]["turn_ms"]["p50"] > 0
