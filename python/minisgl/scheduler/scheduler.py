@@ -203,13 +203,10 @@ class Scheduler:
         return ongoing
 
     def _hand_out_if_ready(self, last_data: ForwardData) -> ForwardData | None:
-        """Batch N's tokens, handed out now if they are already on the host (the device has
-        nothing left to overlap them with), rather than after batch N+1's launch. The loop
-        asks in two places. Before N+1 is scheduled, when N was a prefill: its tokens are first
-        tokens, and this is the order of the loop without overlap. After N+1 is scheduled, when
-        N+1 is a prefill: its launch (eager, hundreds of kernels) takes milliseconds of host
-        time, and N's requests are not in it, so handing out (which may release them) cannot
-        touch it. Returns what is left to process after the launch: None if handed out."""
+        """Batch N's tokens, handed out now if already on the host, not after N+1's launch.
+        Asked before N+1 is scheduled when N was a prefill (first tokens: the order without
+        overlap), and after when N+1 is a prefill (a long eager launch, which holds none of
+        N's requests). Returns what is left to process after the launch."""
         if not last_data[1].copy_done.query():
             return last_data
         began = time.perf_counter()
