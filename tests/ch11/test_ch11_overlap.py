@@ -5,6 +5,7 @@ prefix computed once (at most a quarter of naive's prefill tokens, counted by th
 from __future__ import annotations
 
 from functools import cache
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,6 @@ import torch
 from minisgl.core import SamplingParams
 from minisgl.utils import device as device_utils
 
-from helpers import BusyEvent
 from reference import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -67,8 +67,8 @@ def test_shared_prefix_costs_a_quarter(name: str, page_size: int, model_dir, mak
 
 
 def test_overlap_launches_the_next_batch_before_processing(model_dir, make_llm) -> None:
-    """The order of events while the device is busy: launch 1, launch 2, process 1, launch 3,
-    ... (chapter 21 hands tokens out early when they are ready: tests/ch21/test_hand_out.py)"""
+    """The order of events while the device is still computing (a copy event that never says
+    it is done): launch 1, launch 2, process 1, launch 3, ..."""
     path = model_dir("tiny-qwen3")
     events: list[str] = []
     for overlap in (True, False):
@@ -77,7 +77,8 @@ def test_overlap_launches_the_next_batch_before_processing(model_dir, make_llm) 
 
         def spy_forward(fi, forward=forward):
             events.append("launch")
-            return forward(fi)._replace(copy_done=BusyEvent())
+            busy = SimpleNamespace(query=lambda: False, synchronize=lambda: None)
+            return forward(fi)._replace(copy_done=busy)
 
         def spy_process(data, process=process):
             if data is not None:
