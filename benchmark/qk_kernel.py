@@ -1,5 +1,6 @@
 """Chapter 21's fused q/k norm + rope kernel against an older build of it, on a GPU: equal bits
-(to the older build, and to rms_norm, rms_norm, rope), then microseconds per call.
+(to the older build, and to rms_norm, rms_norm, rope), then microseconds per call; then every
+other kernel (tools/gpu_common.py's kernel_cases) the same way, old and new in turns.
 
     git archive REV python/minisgl/kernel/csrc | tar -x -C /tmp/old   # the older sources
     python benchmark/qk_kernel.py /tmp/old/python/minisgl/kernel/csrc
@@ -17,9 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from timing import cuda_ms
+from timing import cuda_ms, graph_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tools")]
+from gpu_common import kernel_cases  # noqa: E402
+
 from minisgl.kernel import cuda  # noqa: E402
 
 D, HQ, HK, DEV = 128, 16, 8, "cuda"
@@ -87,6 +91,38 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 (a diagnostic column)
                 row.append(f"flashinfer failed: {str(e)[:80]}")
         print(" | ".join(row), flush=True)
+    every_kernel(old, new)
+
+
+def every_kernel(old: object, new: object) -> None:
+    """Each case of kernel_cases in bfloat16 at T tokens: the outputs of the old and the new
+    build from the same inputs (equal bits?), then GPU microseconds per call from CUDA graphs of
+    50 calls, the two builds in turns, median and range of 11 rounds."""
+    print("every kernel, bfloat16: GPU us per call (graph of 50), old and new in turns, "
+          "median (min-max) of 11", flush=True)
+    for t in (1, 64, 4096, 16000):
+        outs = {}
+        for name, lib in (("old", old), ("new", new)):
+            use(lib)  # the same inputs; in-place kernels see their first call's values
+            outs[name] = {case: run() for case, (run, _, _) in kernel_cases(torch.bfloat16,
+                                                                              t).items()}
+        for case, (run, _, nbytes) in kernel_cases(torch.bfloat16, t).items():
+            a, b = outs["old"][case], outs["new"][case]
+            pairs = list(zip(a, b)) if isinstance(a, tuple) else [(a, b)]
+            same = "-" if a is None else all(torch.equal(x, y) for x, y in pairs)
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            for _ in range(11):
+                for name, lib in (("old", old), ("new", new)):
+                    use(lib)
+                    times[name].append(graph_ms(run) * 1e3)
+            row = [f"T={t:>6}", f"{case:<26}", f"new==old {same}"]
+            for name in ("old", "new"):
+                x = sorted(times[name])
+                row.append(f"{name} {x[5]:8.2f} us ({x[0]:.2f}-{x[-1]:.2f})")
+            row.append(f"new {nbytes / x[5] / 1e3:5.0f} GB/s")
+            print(" | ".join(row), flush=True)
+        use(new)
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

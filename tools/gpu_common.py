@@ -162,8 +162,8 @@ def kernel_cases(dtype: torch.dtype, t: int) -> dict[str, KernelCase]:
     slots = 16384
     k_cache, v_cache = rand(slots, hk, d), rand(slots, hk, d)
     kk, vv = rand(t, hk, d), qkv[:, (hq + hk) * d:].view(t, hk, d)
-    loc = torch.randperm(slots, device="cuda")[:t].to(torch.int32)
-    emb, ids = rand(vocab, hidden), torch.randint(0, vocab, (t,), device="cuda",
+    loc = torch.rand(slots, generator=g, device="cuda").argsort()[:t].to(torch.int32)  # distinct
+    emb, ids = rand(vocab, hidden), torch.randint(0, vocab, (t,), generator=g, device="cuda",
                                                   dtype=torch.int32)
     qn = q.view(t, hq, d)
     half = emb[vocab // 2:].contiguous()  # rank 1 of 2 (chapter 16): rows [vocab / 2, vocab)

@@ -36,6 +36,13 @@ template <>
 __device__ __forceinline__ float from_float<float>(float f) { return f; }
 template <>
 __device__ __forceinline__ bf16 from_float<bf16>(float f) {  // round to nearest even
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  // the GPU's own conversion, one instruction for the ten and a branch below (which the emulator
+  // runs): the same bits for every number but a NaN's payload (a NaN stays NaN)
+  bf16 b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b.bits) : "f"(f));
+  return b;
+#endif
   uint32_t u;
   memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t((u >> 16) | 0x40)};  // NaN stays NaN
@@ -206,15 +213,16 @@ __global__ void qk_norm_rope_kernel(T* __restrict__ q_out, T* __restrict__ k_out
                                     const float* __restrict__ table,
                                     const Position* __restrict__ positions, int64_t tokens,
                                     int64_t q_stride, int64_t k_stride, int q_heads, int k_heads,
-                                    int head_dim, float eps, int lanes) {
+                                    int head_dim, float eps, int lane_bits) {
   using P = Pack<T, N>;
-  const int heads = q_heads + k_heads, half = head_dim / 2;
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
-  const int lane = int(threadIdx.x % kWarp) % lanes;
+  // a shift, a mask and a 32-bit division while the row fits (64 bits: a long GPU subroutine)
+  const int lanes = 1 << lane_bits, heads = q_heads + k_heads, half = head_dim / 2;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> lane_bits;
+  const int lane = int(threadIdx.x) & (lanes - 1);
   const bool valid = row < tokens * heads;
   const int packs = valid ? head_dim / N : 0, groups = head_dim / N / 2;
-  const int64_t t = row / heads;
-  const int head = int(row % heads);
+  const int64_t t = row <= INT32_MAX ? int64_t(int32_t(row) / heads) : row / heads;
+  const int head = int(row - t * heads);
   const bool is_q = head < q_heads;
   const int h = is_q ? head : head - q_heads;
   const T* in = is_q ? q + t * q_stride + h * head_dim : k + t * k_stride + h * head_dim;
@@ -517,17 +525,17 @@ int qk_norm_rope(void* q_out, void* k_out, const void* q, const void* k, const v
     const int64_t rows = tokens * (q_heads + k_heads);
     auto go = [&](auto width) {
       constexpr int N = decltype(width)::value;
-      int lanes = 1;  // the row's packs, rounded up to a power of two, at most a warp
-      while (lanes < kWarp && lanes < head_dim / N) lanes *= 2;
+      int lanes = 1, lane_bits = 0;  // the row's packs, up to a power of two, at most a warp
+      for (; lanes < kWarp && lanes < head_dim / N; ++lane_bits) lanes *= 2;
       const int64_t per_block = int64_t(warps) * (kWarp / lanes);
       const dim3 grid(unsigned((rows + per_block - 1) / per_block)), block(warps * kWarp);
       if (position_bytes == 4)
         return LAUNCH((qk_norm_rope_kernel<T, N, int32_t>), grid, block, stream)(
             qo, ko, qi, ki, qw, kw, tb, static_cast<const int32_t*>(positions), tokens, q_stride,
-            k_stride, q_heads, k_heads, head_dim, eps, lanes);
+            k_stride, q_heads, k_heads, head_dim, eps, lane_bits);
       return LAUNCH((qk_norm_rope_kernel<T, N, int64_t>), grid, block, stream)(
           qo, ko, qi, ki, qw, kw, tb, static_cast<const int64_t*>(positions), tokens, q_stride,
-          k_stride, q_heads, k_heads, head_dim, eps, lanes);
+          k_stride, q_heads, k_heads, head_dim, eps, lane_bits);
     };
     constexpr int N = 16 / sizeof(T);
     const bool wide = (head_dim / 2 | q_stride | k_stride) % N == 0 && aligned16(qo) &&
