@@ -7,6 +7,7 @@ The H200 side is tests/gpu/test_gpu_{kernels,sampler}.py; times, benchmark/gpu_b
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,22 @@ def test_the_wide_path_is_the_one_taken_when_aligned(
     x, w = torch.randn(5, 256, generator=g), torch.randn(256, generator=g)
     assert not _close(cuda.rms_norm(x, w, 1e-6), _rms_norm64(x, w))
     assert _close(cuda.rms_norm(_unaligned(x), w, 1e-6), _rms_norm64(x, w))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (not a GPU)")
+def test_the_gpu_build_rounds_with_the_conversion_instruction(tmp_path: Path) -> None:
+    """From sm_80 on, the bfloat16 kernels round with one cvt.rn.bf16.f32 (the emulator's bit
+    arithmetic is some ten instructions and a branch); sm_75 has no such instruction. Checked in
+    the PTX that nvcc writes, so without a GPU."""
+    def ptx(arch: str) -> str:
+        out = tmp_path / f"{arch}.ptx"
+        cmd = cuda.build_command(False, cuda.CSRC / "kernels.cu", out, arch=arch)
+        subprocess.run([a for a in cmd if a not in ("-shared", "-Xcompiler", "-fPIC")] + ["-ptx"],
+                       check=True)
+        return out.read_text()
+
+    assert ptx("sm_90").count("cvt.rn.bf16.f32") > 100
+    assert "cvt.rn.bf16.f32" not in ptx("sm_75")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
