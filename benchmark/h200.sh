@@ -59,14 +59,17 @@ offline)  # the comparison: ours (overlap on and off) and the official, in turns
     ;;
 workloads)  # ours and the official in turns: nano-vllm's alone (its own configuration), then
     # our four on one pair of engines; batch 1 and the host profile with each. All four need
-    # more than one 600 s call: W="long prefix" and W="short mixed" (with NANO=0) split them
+    # more than one 600 s call: W="long prefix" and W="short mixed" (with NANO=0) split them.
+    # POOL: each engine's KV pool in tokens (default: room for the workload, up to 480000; two of
+    # those do not fit an H100: POOL=260000)
     workload() {  # TAG WORKLOAD...
         local tag=$1; shift
         echo "# python benchmark/bench_offline.py --model q06 --rounds ${ROUNDS:-3} --latency --host-profile" \
             "--workload $* ($(date -I))" >> "$OUT/ch21_workloads.txt"
         python benchmark/bench_offline.py --model "$Q06" --official "$OFFICIAL" --rounds "${ROUNDS:-3}" \
             --latency --host-profile --workload "$@" --group ours:fi:graph:on official:fi:graph:on \
-            --json "$OUT/ch21_w_$tag.json" 2>&1 | quiet | tee -a "$OUT/ch21_workloads.txt"
+            --pool "${POOL:-0}" --json "$OUT/ch21_w_$tag.json" 2>&1 | quiet \
+            | tee -a "$OUT/ch21_workloads.txt"
     }
     [ "${NANO:-1}" = 1 ] && workload nano nano
     workload ours ${W:-prefix long short mixed}
