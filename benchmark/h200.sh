@@ -97,9 +97,11 @@ tp2)  # chapter 16 on two GPUs (issue "11 ·"): TP=2 against TP=1, the server at
 online)  # both servers side by side, rounds in turns: 1/16/64/256 in flight, two Poisson rates
     # (PAGES: each server's KV pool, 450000 unless set; two of those do not fit an H100: 250000)
     # (ENGINES: NAME=PYTHON_DIR ..., the first compared with the rest; ours and the official)
+    # (ENGINE_ARGS: NAME=FLAG=VALUE ..., flags for one engine, e.g. s2048=--streaming-prefill-length=2048)
     # shellcheck disable=SC2046
     python benchmark/online.py --model "$Q06" \
         $(printf -- "--engine %s " ${ENGINES:-ours=$PWD/python official=$OFFICIAL}) \
+        ${ENGINE_ARGS:+$(printf -- "--engine-args=%s " $ENGINE_ARGS)} \
         --num-pages "${PAGES:-450000}" --rounds 3 --concurrency 1 16 64 256 --rates 16 32 \
         --prompts-per-slot 2 --min-prompts 16 --rate-seconds 6 \
         --step-timer --deadline "${DEADLINE:-0}" \

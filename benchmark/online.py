@@ -16,7 +16,9 @@ process's.
 
 `--profile N` then runs N in flight once more on each engine while py-spy samples every server
 process (native frames too) for `--profile-seconds`, and summarizes where each was busy.
-`online.py --print RUN.json` prints a saved run's report again.
+`online.py --print RUN.json` prints a saved run's report again; `online.py --pool RUN.json[:OLD=NEW,
+...] ...` pools the rounds of several runs (engines renamed, a run's others dropped) into one
+table, with the rounds in which the first engine's TTFT p50 and ITL p99 were the lower.
 `--trace` starts the servers with MINISGL_STEP_TRACE (ours only: per-step timings of the
 scheduler loop) and summarizes each run's steps. `--step-timer` times every engine's steps
 with the same wrappers instead (benchmark/steptimer: a microsecond or so per step, alike on
@@ -385,6 +387,36 @@ def report(rows: list[dict[str, Any]], engines: list[str], loads: list[str]) -> 
     return lines
 
 
+def pooled(runs: list[tuple[dict[str, Any], dict[str, str]]]) -> list[str]:
+    """The rounds of several runs as one: each run's engines renamed (OLD -> NEW; when a run is
+    given names, its other engines are dropped; the first run's order of names is the report's,
+    its first name the base), its rounds kept apart by the run's index. Per
+    load and engine: the report's columns, then in how many rounds the first engine's TTFT p50
+    and ITL p99 were lower than this one's (ties count as lower)."""
+    rows = []
+    for i, (result, names) in enumerate(runs):
+        for r in result["rows"]:
+            name = names.get(r["engine"], None if names else r["engine"])
+            if name is not None:
+                rows.append({**r, "engine": name, "round": (i, r["round"])})
+    # the first run's names in the order given (the first is the base), then any others
+    engines = list(dict.fromkeys([*runs[0][1].values(), *(r["engine"] for r in rows)]))
+    loads = list(dict.fromkeys(r["load"] for r in rows))
+    base = {(r["load"], r["round"]): r for r in rows if r["engine"] == engines[0]}
+    lines = report(rows, engines, loads)
+    lines[0] += f"   rounds {engines[0]} lower: TTFT p50, ITL p99"
+    for k, line in enumerate(lines[1:], 1):
+        load, engine = line.split()[:2]
+        if engine == engines[0]:
+            continue
+        pairs = [(base[(load, r["round"])], r) for r in rows
+                 if r["engine"] == engine and r["load"] == load and (load, r["round"]) in base]
+        ttft = sum(b["ttft_ms_p50"] <= r["ttft_ms_p50"] for b, r in pairs)
+        itl = sum(b["itl_ms_p99"] <= r["itl_ms_p99"] for b, r in pairs)
+        lines[k] += f"   {ttft}/{len(pairs)}, {itl}/{len(pairs)}"
+    return lines
+
+
 def print_report(result: dict[str, Any]) -> None:
     """The table, then each run's step summary and each process's profile, as JSON keeps them."""
     print("\n".join(result["table"]))
@@ -423,6 +455,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-args", default="--attn fi --cuda-graph-max-bs 256 "
                    "--max-running-requests 256 --max-prefill-length 8192 --page-size 1 "
                    "--max-seq-len-override 4096", help="flags every server gets")
+    p.add_argument("--engine-args", action="append", default=[], metavar="NAME=FLAGS",
+                   help="flags for one engine only, after --server-args (an engine may be "
+                   "named twice, with a different name, to compare a flag)")
     p.add_argument("--num-pages", type=int, default=450000,
                    help="every server's KV pool in tokens (0: each server's own choice); two "
                    "pools of 450000 at the Qwen3-0.6B shape take about 103 GB of one GPU")
@@ -455,6 +490,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--print":
         return print_report(json.loads(Path(sys.argv[2]).read_text()))  # a saved run's report
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--pool":
+        runs = []
+        for spec in sys.argv[2:]:
+            path, _, renames = spec.partition(":")
+            names = dict(x.split("=", 1) for x in renames.split(",") if x)
+            runs.append((json.loads(Path(path).read_text()), names))
+        return print("\n".join(pooled(runs)))
     a = parse_args(argv)
     began = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -472,10 +514,13 @@ def main(argv: list[str] | None = None) -> None:
     windows: dict[str, list[tuple[str, float, float]]] = {e.name: [] for e in engines}
     profiles: dict[str, Any] = {}
     try:
+        own = dict(x.partition("=")[::2] for x in a.engine_args)
+        if unknown := set(own) - {e.name for e in engines}:
+            raise SystemExit(f"--engine-args names no --engine: {sorted(unknown)}")
         for e in engines:
             pool = ["--num-pages", str(a.num_pages)] if a.num_pages else []
-            start(e, a.model, a.server_args.split() + pool, a.out, a.trace, a.launch_profile,
-                  a.step_timer)
+            start(e, a.model, a.server_args.split() + pool + own.get(e.name, "").split(), a.out,
+                  a.trace, a.launch_profile, a.step_timer)
         for e in engines:
             wait_ready(e)
         for rnd in range(a.rounds):

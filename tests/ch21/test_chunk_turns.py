@@ -25,7 +25,8 @@ def run(model_dir, make_llm, caplog, lengths: tuple[int, ...], max_tokens: tuple
     g = torch.Generator().manual_seed(5)
     ids = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
     params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in max_tokens] or GREEDY
-    llm = make_llm(path, max_extend_tokens=8, **config)
+    budget = config.pop("max_extend_tokens_override", 8)
+    llm = make_llm(path, max_extend_tokens=budget, **config)
     llm.decode_between_chunks = True  # the server's policy
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="minisgl.scheduler"):
@@ -60,3 +61,33 @@ def test_streams_flowing_before_a_wave_get_their_turns(model_dir, make_llm, capl
     first = next(i for i, (phase, uids) in enumerate(seen) if phase == "prefill" and 4 in uids)
     assert seen[first][1] == [3, 4] and seen[first + 1][0] == "decode", seen
     assert 0 in seen[first + 1][1] and seen[first + 2] == ("prefill", [4]), seen
+
+
+def steps(caplog) -> list[tuple[str, dict[int, int]]]:
+    """(phase, {uid: tokens computed}) of every batch the scheduler logged."""
+    out = []
+    for record in caplog.records:
+        if record.name == "minisgl.scheduler.scheduler" and record.levelno == logging.DEBUG:
+            phase, *reqs = record.getMessage().split()
+            out.append((phase, {int(u): int(n) for u, n in (r.split("+") for r in reqs)}))
+    return out
+
+
+@pytest.mark.parametrize("limit", [0, 4])
+def test_streaming_prefill_length_bounds_the_steps_streams_wait_for(model_dir, make_llm, caplog,
+                                                                   limit: int) -> None:
+    # request 0 flows while 3 and 4 (9 prompt tokens each) wait for rows: with the limit on,
+    # their prefill comes 4 tokens a step, each step followed by a decode step for 0; the first
+    # wave (nobody flowing yet) still takes the whole budget of 16
+    run(model_dir, make_llm, caplog, (4, 3, 3, 9, 9), (14, 2, 2, 3, 3), max_running_req=3,
+        streaming_extend_tokens=limit, max_extend_tokens_override=16)
+    seen = steps(caplog)
+    assert seen[0] == ("prefill", {0: 4, 1: 3, 2: 3}), seen
+    later = [i for i, (phase, _) in enumerate(seen) if phase == "prefill" and i > 0]
+    assert sum(sum(seen[i][1].values()) for i in later) == 18, seen
+    biggest = max(sum(seen[i][1].values()) for i in later)
+    if limit:
+        assert biggest <= limit and len(later) == 5, seen
+        assert all(seen[i + 1][0] == "decode" and 0 in seen[i + 1][1] for i in later), seen
+    else:
+        assert biggest == 16, seen

@@ -175,6 +175,23 @@ def test_the_report_gives_ratios_per_round() -> None:
     assert text[2].endswith("0.62 (0.50–0.75)")  # 50/100 and 90/120, median of the two
 
 
+def test_pooled_rounds_rename_engines_and_count_the_lower_rounds() -> None:
+    def row(engine: str, rnd: int, tok: float, ttft: float, itl: float) -> dict:
+        return {"engine": engine, "round": rnd, "load": "c=4", "out_tok_s": tok,
+                "ttft_ms_p50": ttft, "itl_ms_p99": itl, "client_cpu": 0.1}
+
+    # run 1 names ours "new" beside an engine that is dropped; run 2 calls it "ours"
+    one = {"rows": [row("base", 0, 100, 10, 5), row("new", 0, 120, 12, 4),
+                    row("old", 0, 1, 1, 1)]}
+    two = {"rows": [row("ours", 0, 90, 20, 6), row("base", 0, 100, 15, 6),
+                    row("base", 1, 100, 15, 6), row("ours", 1, 150, 10, 7)]}
+    text = online.pooled([(one, {"base": "base", "new": "ours"}), (two, {})])
+    assert [line.split()[1] for line in text[1:]] == ["base", "ours"]
+    # ratios 1.2, 0.9, 1.5 (rounds of the two runs kept apart); the base's TTFT lower in
+    # rounds 1 and 2 of the three, its ITL p99 lower in 2 (one of them a tie)
+    assert "1.20 (0.90–1.50)" in text[2] and text[2].endswith("2/3, 2/3"), text
+
+
 def test_pyspy_summary(tmp_path: Path) -> None:
     raw = tmp_path / "p.txt"
     raw.write_text("main (m.py:1);f (minisgl/a.py:3);cudaSync (libcuda.so) 7\n"

@@ -243,11 +243,12 @@ class Scheduler:
 
     def _schedule_next_batch(self) -> ForwardInput | None:
         """Prefill first (new requests start early), else decode every running request. With
-        `decode_between_chunks` (the server's), while prompts are filled in chunks the running
-        requests get every other step, so their streams slow down instead of stopping, when
-        someone needs it: streams that were flowing when this run of prefill steps began, or
-        everyone when a single prompt is longer than a step. A wave of short prompts on an
-        otherwise idle server is filled back to back: the streams it starts pause once after
+        `decode_between_chunks` (the server's), while prompts wait the running requests get
+        every other step, so their streams slow down instead of stopping, when someone needs
+        it: streams that were flowing when this run of prefill steps began (the prefill steps
+        they wait for are then kept to streaming_extend_tokens), or everyone when a single
+        prompt is longer than a step. A wave of short prompts on an otherwise idle server is
+        filled back to back with the whole budget: the streams it starts pause once after
         their first token, not once per chunk (each pause is a gap the p99 gap counts)."""
         batch = None
         if self.decode_between_chunks and self.decode_turn and self._turn_needed():
@@ -259,17 +260,28 @@ class Scheduler:
             # in flight still writes its last token there: let our stream's copies into that
             # row wait for it (a device-side wait; the host goes on).
             self.stream.wait_stream(self.engine.stream)  # type: ignore[arg-type]
-            batch = self.prefill_manager.schedule_next_batch(self.config.max_extend_tokens)
+            batch = self.prefill_manager.schedule_next_batch(self._prefill_budget())
         batch = batch or self._schedule_decode()
         self.decode_turn = batch is not None and batch.is_prefill
         return None if batch is None else self._prepare_batch(batch)
 
     def _turn_needed(self) -> bool:
-        """Does the prompt being filled in chunks owe the running requests a decode step?"""
+        """Do the prompts still waiting owe the running requests a decode step?"""
         prefill = self.prefill_manager
-        return prefill.chunking and (
-            prefill.filling_longer_than(self.config.max_extend_tokens)
-            or not self.flowing.isdisjoint(self.decode_manager.running))
+        return prefill.runnable and (
+            prefill.filling_longer_than(self.config.max_extend_tokens) or self._streams_wait())
+
+    def _streams_wait(self) -> bool:
+        """Are streams that were flowing before this run of prefill steps still running?"""
+        return not self.flowing.isdisjoint(self.decode_manager.running)
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens for the next prefill step: streaming_extend_tokens (when set) while
+        flowing streams wait on it, so their gap is one small prefill step and a decode step."""
+        limit = self.config.streaming_extend_tokens
+        if limit and self.decode_between_chunks and self._streams_wait():
+            return min(limit, self.config.max_extend_tokens)
+        return self.config.max_extend_tokens
 
     def _schedule_decode(self) -> Batch | None:
         """The running requests' decode batch. Admitted by expected need, they may lack the

@@ -22,6 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # prompt tokens per prefill step: while a long prompt fills in such steps, running streams get
 # every other step; on the CPU a smaller step keeps their gaps short (measured there)
 GPU_PREFILL_CHUNK, CPU_PREFILL_CHUNK = 8192, 256
+GPU_STREAMING_CHUNK = 2048  # the prefill step while streams wait (vLLM's online budget)
 # The launcher forks its children, and a forked child cannot use CUDA once its parent has
 # initialised it: GPUs are counted with torch.cuda.device_count(), which asks NVML and leaves
 # CUDA alone, never with torch.cuda.is_available(), which initialises the driver.
@@ -71,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--max-prefill-length", "--max-extend-length", type=int, default=None,
                    dest="max_extend_tokens", help="prompt tokens one prefill step computes; "
                    f"default {GPU_PREFILL_CHUNK} on a GPU, {CPU_PREFILL_CHUNK} on the CPU")
+    p.add_argument("--streaming-prefill-length", type=int, default=None,
+                   dest="streaming_extend_tokens", help="while running streams wait for their "
+                   "next token, a prefill step computes at most this many prompt tokens and the "
+                   "streams get a decode step between such steps: a bound on their inter-token "
+                   f"gap, paid in time to first token; 0: off; default {GPU_STREAMING_CHUNK} on "
+                   "a GPU, off on the CPU")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from memory)")
     p.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
     p.add_argument("--attention-backend", "--attn", default="auto",
@@ -100,12 +107,18 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if error := admission_error(a.admission, a.schedule_conservativeness,
                                 ("--admission", "--schedule-conservativeness")):
         p.error(error)
+    if a.streaming_extend_tokens is None:
+        a.streaming_extend_tokens = GPU_STREAMING_CHUNK if torch.cuda.device_count() > 0 else 0
+    if a.streaming_extend_tokens < 0:
+        p.error(f"--streaming-prefill-length must be 0 (off) or more, not "
+                f"{a.streaming_extend_tokens}")
     config = SchedulerConfig(
         model_path=a.model_path, dtype=_dtype(a.dtype, a.model_path),
         max_running_req=a.max_running_requests, attention_backend=a.attention_backend,
         page_size=a.page_size, memory_ratio=a.memory_ratio,
         max_seq_len_override=a.max_seq_len_override, num_page_override=a.num_pages,
         cache_type=a.cache_type, max_extend_tokens=a.max_extend_tokens or _prefill_chunk(),
+        streaming_extend_tokens=a.streaming_extend_tokens,
         tp_info=DistributedInfo(0, a.tp_size), cuda_graph_max_bs=a.cuda_graph_max_bs,
         moe_backend=a.moe_backend, admission=a.admission,
         schedule_conservativeness=a.schedule_conservativeness)
