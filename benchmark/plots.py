@@ -5,8 +5,8 @@
 
 throughput.svg: offline output tok/s per configuration on the H200 (bench_offline.py).
 latency.svg: TTFT, ITL and E2E p50/p99 per arrival rate (bench_serving.py) on the CPU.
-online.svg: the H200 sweep of online.py, ours and the official side by side, rounds in turns:
-output tok/s, TTFT p50 and the inter-token gap p99 per load.
+online.svg: the H100 sweep of online.py (today's code, two calls pooled), ours and the official
+side by side, rounds in turns: output tok/s, TTFT p50 and the inter-token gap p99 per load.
 workloads.svg: offline, ours / the official per workload (nano-vllm's and our four), each
 round and their median.
 step.svg: where a decode step's GPU time goes, ours (before and after the sampler fix) against
@@ -260,8 +260,10 @@ def workload_note(report: dict[str, Any]) -> str:
 
 # --- online.svg -----------------------------------------------------------------------------
 
-# two calls on the same code, each a fresh machine with both servers started once
-ONLINE = ["2026-12-04-h200-ch21_online-9346170.json", "2026-12-04-h200-ch21_online2-9346170.json"]
+# two calls on the same code (f69bf87), each with three servers started once: (results file,
+# {engine in that file: name on the plot}); engines not named are left out
+ONLINE = [("2026-12-07-h100-ch21_online-f69bf87-1.json", {"s2048": "ours", "official": "official"}),
+          ("2026-12-07-h100-ch21_online-f69bf87-2.json", {"ours": "ours", "official": "official"})]
 ONLINE_PANELS = [("输出 tok/s", "out_tok_s"), ("TTFT p50（毫秒）", "ttft_ms_p50"),
                  ("token 间隔 p99（毫秒）", "itl_ms_p99")]
 
@@ -269,11 +271,12 @@ ONLINE_PANELS = [("输出 tok/s", "out_tok_s"), ("TTFT p50（毫秒）", "ttft_m
 def online(path: Path) -> None:
     """benchmark/online.py's sweeps: each metric per load, one line per engine at the median of
     the rounds of every call, a bar from the smallest to the largest round."""
-    results = [json.loads((RESULTS / name).read_text()) for name in ONLINE]
+    results = [json.loads((RESULTS / name).read_text()) for name, _ in ONLINE]
     result = results[0]
-    rows = [r for res in results for r in res["rows"]]
+    rows = [{**r, "engine": names[r["engine"]]} for res, (_, names) in zip(results, ONLINE)
+            for r in res["rows"] if r["engine"] in names]
     loads = list(dict.fromkeys(r["load"] for r in rows))
-    engines = list(result["engines"])
+    engines = list(dict.fromkeys(ONLINE[0][1].values()))
     closed = [i for i, ld in enumerate(loads) if ld.startswith("c=")]
     poisson = [i for i, ld in enumerate(loads) if not ld.startswith("c=")]
     height = 4.0
@@ -312,16 +315,17 @@ def online(path: Path) -> None:
 # --- workloads.svg --------------------------------------------------------------------------
 
 # (label, results file, workload): the bars of workloads.svg, top to bottom
-WORKLOAD_BARS = [("nano-vllm 的负载", "2026-12-03-h200-ch21_workloads-a16fbae.json", None),
-                 ("共享前缀", "2026-12-03-h200-ch21_workloads-2dc152d.json", "prefix"),
-                 ("共享前缀，推迟规则修正后", "2026-12-03-h200-ch21_workloads-72afc48.json",
-                  "prefix"),
-                 ("共享前缀，12-05", "2026-12-05-h200-ch21_workloads-5123ed2.json", "prefix"),
-                 ("长提示词", "2026-12-03-h200-ch21_workloads-2dc152d.json", "long"),
-                 ("长提示词，主机修正后", "2026-12-03-h200-ch21_long-a611ebc.json", "long"),
-                 ("长提示词，12-05", "2026-12-05-h200-ch21_workloads-5123ed2.json", "long"),
-                 ("1,024 个短请求", "2026-12-03-h200-ch21_workloads-2dc152d.json", "short"),
-                 ("混合", "2026-12-03-h200-ch21_workloads-2dc152d.json", "mixed")]
+WORKLOAD_BARS = [("nano-vllm 的，H200", "2026-12-03-h200-ch21_workloads-a16fbae.json", None),
+                 ("nano-vllm 的，H100", "2026-12-07-h100-ch21_workloads-f69bf87-2-nano.json",
+                  "nano"),
+                 ("共享前缀，H200", "2026-12-05-h200-ch21_workloads-5123ed2.json", "prefix"),
+                 ("共享前缀，H100", "2026-12-07-h100-ch21_workloads-f69bf87-1.json", "prefix"),
+                 ("长提示词，H200", "2026-12-05-h200-ch21_workloads-5123ed2.json", "long"),
+                 ("长提示词，H100", "2026-12-07-h100-ch21_long-cvt.json", "long"),
+                 ("1,024 个短请求，H200", "2026-12-03-h200-ch21_workloads-2dc152d.json", "short"),
+                 ("1,024 个短请求，H100", "2026-12-07-h100-ch21_workloads-f69bf87-1.json", "short"),
+                 ("混合，H200", "2026-12-03-h200-ch21_workloads-2dc152d.json", "mixed"),
+                 ("混合，H100", "2026-12-07-h100-ch21_workloads-f69bf87-2.json", "mixed")]
 
 
 def round_ratios(path: Path, workload: str | None) -> list[float]:
@@ -351,10 +355,9 @@ def workloads(path: Path) -> None:
     ax.set_xlim(0.6, 1.75)
     ax.grid(axis="x", color="#dddddd", lw=0.8)
     ax.set_axisbelow(True)
-    fig.suptitle("离线：ours / 官方的输出 tok/s，每种负载轮流 2～5 轮 · 2026-12-03、05", x=0.01,
-                 ha="left")
-    caption(fig, "NVIDIA H200，五次调用（代码见正文）；条是各轮比值的中位数，点是每一轮；"
-                 "实线 1（持平），虚线 1.05")
+    fig.suptitle("离线：ours / 官方的输出 tok/s，每种负载轮流 3～5 轮", x=0.01, ha="left")
+    caption(fig, "H200：2026-12-03、05，三次调用；H100：2026-12-07，一台机器三次调用；"
+                 "条是各轮的中位数，点是每一轮；实线 1，虚线 1.05")
     fig.subplots_adjust(left=2.0 / WIDTH, right=1 - 0.2 / WIDTH, top=1 - 0.6 / height,
                         bottom=0.75 / height)
     save(fig, path)

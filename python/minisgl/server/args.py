@@ -22,7 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # prompt tokens per prefill step: while a long prompt fills in such steps, running streams get
 # every other step; on the CPU a smaller step keeps their gaps short (measured there)
 GPU_PREFILL_CHUNK, CPU_PREFILL_CHUNK = 8192, 256
-GPU_STREAMING_CHUNK = 2048  # the prefill step while streams wait (vLLM's online budget)
+GPU_STREAMING_CHUNK = 2048  # prompt tokens a prefill step computes while flowing streams wait
 # The launcher forks its children, and a forked child cannot use CUDA once its parent has
 # initialised it: GPUs are counted with torch.cuda.device_count(), which asks NVML and leaves
 # CUDA alone, never with torch.cuda.is_available(), which initialises the driver.
