@@ -91,3 +91,18 @@ def test_streaming_prefill_length_bounds_the_steps_streams_wait_for(model_dir, m
         assert all(seen[i + 1][0] == "decode" and 0 in seen[i + 1][1] for i in later), seen
     else:
         assert biggest == 16, seen
+
+
+def test_the_streaming_prefill_flag(model_dir, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    from minisgl.server.args import GPU_STREAMING_CHUNK, parse_args
+
+    model = str(model_dir("tiny-qwen3"))
+    assert parse_args(["--model", model]).scheduler.streaming_extend_tokens == 0  # the CPU: off
+    flag = ["--model", model, "--streaming-prefill-length"]
+    assert parse_args([*flag, "64"]).scheduler.streaming_extend_tokens == 64
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a GPU: on by default
+    assert parse_args(["--model", model]).scheduler.streaming_extend_tokens == GPU_STREAMING_CHUNK
+    assert parse_args([*flag, "0"]).scheduler.streaming_extend_tokens == 0
+    with pytest.raises(SystemExit):
+        parse_args([*flag, "-1"])
+    assert "--streaming-prefill-length must be 0 (off) or more, not -1" in capsys.readouterr().err
