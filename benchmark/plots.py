@@ -356,7 +356,7 @@ def workloads(path: Path) -> None:
     ax.grid(axis="x", color="#dddddd", lw=0.8)
     ax.set_axisbelow(True)
     fig.suptitle("离线：ours / 官方的输出 tok/s，每种负载轮流 3～5 轮", x=0.01, ha="left")
-    caption(fig, "H200：2026-12-03、05，三次调用；H100：2026-12-07，一台机器三次调用；"
+    caption(fig, "H200：2026-12-03、05，三次调用；H100：2026-12-07，两台机器三次调用；"
                  "条是各轮的中位数，点是每一轮；实线 1，虚线 1.05")
     fig.subplots_adjust(left=2.0 / WIDTH, right=1 - 0.2 / WIDTH, top=1 - 0.6 / height,
                         bottom=0.75 / height)
