@@ -11,8 +11,10 @@ Poisson rate. Requests are chat completions of random text (`--input-len` tokens
 decoded), streamed, `--output-len` tokens each with ignore_eos; every engine gets the same list
 in a round, and each round draws a new one (so no round finds the last one's prompts cached).
 Every server gets the same flags (`--server-args`, `--num-pages`). For each run the report keeps
-the client's metrics (bench_serving.py), the client's CPU seconds per second, and each server
-process's.
+the client's metrics (bench_serving.py) with every request's TTFT, the client's CPU seconds per
+second, and each server process's. When N in flight of a round's mean request shape need more KV
+tokens than `--num-pages`, a note says so: only some run at once, the rest wait for memory, and
+that round's TTFT measures the wait too.
 
 `--profile N` then runs N in flight once more on each engine while py-spy samples every server
 process (native frames too) for `--profile-seconds`, and summarizes where each was busy.
@@ -158,6 +160,58 @@ def requests_for(load: tuple[str, float], args: argparse.Namespace, tokenizer: A
     return [(tokenizer.decode(ids, skip_special_tokens=True), k) for ids, k in pairs]
 
 
+def prompt_tokens(requests: list[tuple[list[int] | str, int]], tokenizer: Any) -> list[int]:
+    """Each request's prompt as the server sees it: a chat message through the chat template."""
+    lens = []
+    for prompt, _ in requests:
+        if isinstance(prompt, str):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                 add_generation_prompt=True, tokenize=False)
+            lens.append(len(tokenizer(text, add_special_tokens=False).input_ids))
+        else:
+            lens.append(len(prompt))
+    return lens
+
+
+def pool_note(label: str, in_flight: int, prompts: list[int], outputs: list[int],
+              num_pages: int) -> str | None:
+    """Why a closed loop's TTFT may measure memory rather than the scheduler: when N requests of
+    the load's mean shape need more KV tokens than the pool holds, only about pool / shape run at
+    once and the rest wait for one to finish (a whole generation), so its TTFT has two modes
+    and their median moves between rounds. None when the pool holds them (or is unknown: 0)."""
+    shape = statistics.mean(prompts) + statistics.mean(outputs)
+    if not num_pages or in_flight * shape <= num_pages:
+        return None
+    return (f"{label}: {in_flight} requests of the mean shape ({shape:,.0f} tokens: prompt "
+            f"{statistics.mean(prompts):,.0f} + output {statistics.mean(outputs):,.0f}) need "
+            f"{in_flight * shape:,.0f} KV tokens and the pool holds {num_pages:,}: about "
+            f"{num_pages / shape:.0f} run at once, the others wait for one to end, and TTFT "
+            f"measures that wait as well")
+
+
+def loads_of(a: argparse.Namespace) -> dict[tuple[str, float], str]:
+    """The run's loads in order, each with its label: N in flight ("c=N"), then the rates."""
+    loads = [("concurrency", float(c)) for c in a.concurrency] + [("rate", r) for r in a.rates]
+    return {ld: (f"c={int(ld[1])}" if ld[0] == "concurrency" else f"{ld[1]:g}/s") for ld in loads}
+
+
+def round_seed(rnd: int, i: int) -> int:
+    """The seed of round rnd's i-th load: every engine gets its requests, no other round does."""
+    return 1000 * rnd + i
+
+
+def round_notes(a: argparse.Namespace, tokenizer: Any, rnd: int) -> list[str]:
+    """`pool_note` for each N in flight of round rnd, its requests drawn again from the seed."""
+    notes = []
+    for i, (load, name) in enumerate(loads_of(a).items()):
+        if load[0] == "concurrency":
+            requests = requests_for(load, a, tokenizer, round_seed(rnd, i))
+            note = pool_note(f"{name} r{rnd}", int(load[1]), prompt_tokens(requests, tokenizer),
+                             [k for _, k in requests], a.num_pages)
+            notes += [note] if note else []
+    return notes
+
+
 def measure(engine: Engine, load: tuple[str, float],
             requests: list[tuple[list[int] | str, int]], seed: int) -> dict[str, Any]:
     """One run of one load on one server: the client's row plus each server process's CPU."""
@@ -173,6 +227,7 @@ def measure(engine: Engine, load: tuple[str, float],
                           else f"pid{pid}"): round((after[pid] - before.get(pid, 0.0)) / wall, 3)
                          for pid in after}
     row["window"] = [t0, t0 + wall]
+    row["ttft_ms"] = [round(r.ttft * 1e3, 1) for r in run.results if r.ok]  # the distribution
     if kind == "concurrency" and value == 1:  # one at a time: each first token can be followed
         row["first_tokens"] = [[r.sent, r.ttft] for r in run.results if r.ok]  # through the hops
     return row
@@ -420,6 +475,8 @@ def pooled(runs: list[tuple[dict[str, Any], dict[str, str]]]) -> list[str]:
 def print_report(result: dict[str, Any]) -> None:
     """The table, then each run's step summary and each process's profile, as JSON keeps them."""
     print("\n".join(result["table"]))
+    for note in result.get("pool_notes", []):
+        print(f"note: {note}")
     for name, t in result["traces"].items():
         for run_label, s in t.items():
             if "first_token_ms" in s:  # its per-request lists are for paired_hops, in the JSON
@@ -440,6 +497,24 @@ def print_report(result: dict[str, Any]) -> None:
               f"{prof['launch_ms']:.1f} ms in all; ops by host time:")
         for op, ms, calls in prof["ops"][:20]:
             print(f"    {ms:9.2f} ms {calls:6d} calls  {op}")
+
+
+def print_notes(result: dict[str, Any], model: str) -> None:
+    """A saved run's pool notes, its requests drawn again from its command and seeds (for runs
+    made before the notes were kept), with each engine's TTFT and decode batch size beside them."""
+    from transformers import AutoTokenizer
+
+    a = parse_args(result["command"].split()[1:])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    for rnd in sorted({r["round"] for r in result["rows"]}):
+        for note in round_notes(a, tokenizer, rnd):
+            run = note.split(":")[0]
+            sizes = {name: t[run]["decode"]["size_p50"] for name, t in result["traces"].items()
+                     if run in t}
+            ttft = {r["engine"]: f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f}"
+                    for r in result["rows"] if f"{r['load']} r{r['round']}" == run}
+            print(f"{note}. TTFT p50 / p99 ms {ttft}" + (f"; decode batch p50 {sizes}"
+                                                         if sizes else ""))
 
 
 def relative(path: Path) -> str:
@@ -490,6 +565,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--print":
         return print_report(json.loads(Path(sys.argv[2]).read_text()))  # a saved run's report
+    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "--notes":
+        return print_notes(json.loads(Path(sys.argv[2]).read_text()), sys.argv[3])
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--pool":
         runs = []
         for spec in sys.argv[2:]:
@@ -506,13 +583,12 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(a.model)
-    loads = ([("concurrency", float(c)) for c in a.concurrency]
-             + [("rate", r) for r in a.rates])
-    label = {ld: (f"c={int(ld[1])}" if ld[0] == "concurrency" else f"{ld[1]:g}/s")
-             for ld in loads}
+    label = loads_of(a)
+    loads = list(label)
     rows: list[dict[str, Any]] = []
     windows: dict[str, list[tuple[str, float, float]]] = {e.name: [] for e in engines}
     profiles: dict[str, Any] = {}
+    notes: list[str] = []
     try:
         own = dict(x.partition("=")[::2] for x in a.engine_args)
         if unknown := set(own) - {e.name for e in engines}:
@@ -528,8 +604,11 @@ def main(argv: list[str] | None = None) -> None:
             if a.deadline and time.perf_counter() - began > a.deadline:
                 print(f"deadline: stopped before round {rnd}", flush=True)
                 break
+            for note in round_notes(a, tokenizer, rnd):
+                notes.append(note)
+                print(f"note: {note}", flush=True)
             for i, load in enumerate(loads):
-                seed = 1000 * rnd + i
+                seed = round_seed(rnd, i)
                 requests = requests_for(load, a, tokenizer, seed)
                 for e in order:
                     row = measure(e, load, requests, seed)
@@ -571,8 +650,8 @@ def main(argv: list[str] | None = None) -> None:
                                    *(sys.argv[1:] if argv is None else argv)]),
               "engines": {e.name: {"package": relative(e.package), "started_s": e.started_s,
                                    "exit_code": codes[e.name]} for e in engines},
-              "rows": rows, "windows": windows, "traces": traces, "profiles": profiles,
-              "launch_profiles": launches,
+              "rows": rows, "pool_notes": notes, "windows": windows, "traces": traces,
+              "profiles": profiles, "launch_profiles": launches,
               "first_token_pairs": paired_hops(traces, [e.name for e in engines]),
               "table": text}
     print_report(result)

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -202,6 +203,61 @@ def test_pyspy_summary(tmp_path: Path) -> None:
     assert dict(s["minisgl_inclusive"]) == {"f (minisgl/a.py:3)": 7, "g (minisgl/b.py:9)": 3}
 
 
+def test_prompt_tokens_counts_what_the_server_tokenizes(model_dir: Callable[[str], Path]) -> None:
+    """A chat request's prompt, counted by the client as our TokenizeManager counts it (chat
+    template, no special tokens added twice); token ids count as they are."""
+    from transformers import AutoTokenizer
+
+    from minisgl.message import TokenizeMsg
+    from minisgl.tokenizer.tokenize import TokenizeManager
+
+    tok = AutoTokenizer.from_pretrained(model_dir("tiny-qwen3"))
+    texts = ["hello world", "the cat sat on the mat " * 7]
+    server = TokenizeManager(tok)
+    want = [len(server.tokenize(TokenizeMsg(uid=i, prompt=[{"role": "user", "content": t}],
+                                            sampling_params=SamplingParams(), stop=[])))
+            for i, t in enumerate(texts)]
+    assert online.prompt_tokens([(t, 4) for t in texts] + [([5, 6, 7], 4)], tok) == want + [3]
+    assert want[1] > want[0] > len(tok.encode("hello world"))  # the template's tokens counted
+
+
+def test_the_pool_note_says_when_ttft_measures_memory() -> None:
+    """The H100 sweep's 256 in flight: prompts of 624 tokens on average and 256 out need 225,280
+    KV tokens; 160,000 pages hold about 182 of them. 450,000 hold all; 0 is the server's own."""
+    prompts, outputs = [424, 824] * 128, [256] * 256
+    note = online.pool_note("c=256 r0", 256, prompts, outputs, 160000)
+    assert note is not None and "225,280 KV tokens" in note and "about 182 run at once" in note
+    assert online.pool_note("c=256 r0", 256, prompts, outputs, 450000) is None
+    assert online.pool_note("c=256 r0", 256, prompts, outputs, 0) is None
+    assert online.pool_note("c=16 r0", 16, prompts, outputs, 160000) is None
+
+
+def test_a_saved_runs_notes_are_drawn_again_from_its_command(
+        model_dir: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """`online.py --notes RUN.json MODEL`: each round's requests drawn again from the saved
+    command and the round's seed, a note for each N in flight the pool cannot hold at once,
+    with what the run measured beside it."""
+    from transformers import AutoTokenizer
+
+    argv = ["--model", "m", "--engine", "a=python", "--num-pages", "300", "--concurrency", "1",
+            "16", "--rates", "8", "--input-len", "8", "24", "--output-len", "4", "6",
+            "--vocab", "500", "--out", "o"]
+    a = online.parse_args(argv)
+    tok = AutoTokenizer.from_pretrained(model_dir("tiny-qwen3"))
+    notes = online.round_notes(a, tok, 1)
+    assert [n.split(":")[0] for n in notes] == ["c=16 r1"]  # 16 × ~30 tokens > 300; 1 fits
+    seed = online.round_seed(1, 1)  # c=16 is the second load
+    requests = online.requests_for(("concurrency", 16.0), a, tok, seed)
+    assert len(requests) == 48 and notes[0] == online.pool_note(
+        "c=16 r1", 16, online.prompt_tokens(requests, tok), [k for _, k in requests], 300)
+    row = {"engine": "a", "round": 1, "load": "c=16", "ttft_ms_p50": 12.3, "ttft_ms_p99": 45.6}
+    saved = {"command": " ".join(["benchmark/online.py", *argv]), "rows": [row],
+             "traces": {"a": {"c=16 r1": {"decode": {"size_p50": 9}}}}}
+    online.print_notes(saved, str(model_dir("tiny-qwen3")))
+    assert capsys.readouterr().out == (f"{notes[0]}. TTFT p50 / p99 ms {{'a': '12 / 46'}}; "
+                                       "decode batch p50 {'a': 9}\n")
+
+
 def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
                                              tmp_path: Path) -> None:
     """Two servers of our package, one round each of one request in flight and one rate, with
@@ -229,7 +285,10 @@ def test_online_runs_our_server_side_by_side(model_dir: Callable[[str], Path],
         asked = 3 if r["load"] == "c=1" else 4  # 3 per slot in flight; 8/s for 0.5 s
         assert r["failed"] == 0 and r["completed"] == asked and r["out_tok_s"] > 0
         assert r["client_cpu"] > 0 and r["server_cpu"]["main"] >= 0
+        assert len(r["ttft_ms"]) == asked and min(r["ttft_ms"]) > 0
+        assert statistics.median(r["ttft_ms"]) == pytest.approx(r["ttft_ms_p50"], abs=0.1)
     assert {e["exit_code"] for e in result["engines"].values()} == {0}
+    assert result["pool_notes"] == []  # each server sized its own pool
     for name in ("a", "b"):
         runs = result["traces"][name]
         assert set(runs) == {"c=1 r0", "8/s r0", "c=1 r1", "8/s r1"}
