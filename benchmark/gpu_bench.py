@@ -326,9 +326,11 @@ def sampler() -> None:
     """Chapter 21: the draw at temperature 0.6 with no top-k or top-p, on Qwen3's vocabulary
     (151,936), at batch 1, 64 and 256: chapter 6's sorted draw (sample_from_probs) against the
     draw without a sort (sample_without_cut), the softmax before them not timed; then from the
-    logits, softmax included: softmax + that draw against our one-pass kernel (cuda.sample).
-    Median of 50 calls each after 5 warm-up calls, CUDA events."""
-    from minisgl.engine.sample import sample_from_probs, sample_without_cut
+    logits, softmax included: softmax + that draw against our one-pass kernel (cuda.sample);
+    then with a cut, top-k 20 and top-p 0.95, from the logits: softmax + the
+    sorted draw against the selection of the 20 best (sample_top_k). Median of 50 calls each
+    after 5 warm-up calls, CUDA events."""
+    from minisgl.engine.sample import sample_from_probs, sample_top_k, sample_without_cut
     from minisgl.kernel import cuda
 
     g = torch.Generator("cuda").manual_seed(0)
@@ -351,6 +353,12 @@ def sampler() -> None:
         say(f"  batch {bs:3d}: sorted {old:7.3f} ms, without a sort {new:7.3f} ms "
             f"({old / new:.1f}x); softmax + draw {two:7.3f} ms, our kernel {one:7.3f} ms "
             f"({two / one:.1f}x)")
+        ks, ps = torch.full((bs,), 20, device="cuda"), torch.full((bs,), 0.95, device="cuda")
+        cut = ms(lambda x=logits, t=temps, k=ks, p=ps: sample_from_probs(
+            torch.softmax(x / t[:, None], dim=-1), k, p, g))
+        pick = ms(lambda x=logits, t=temps, k=ks, p=ps: sample_top_k(x, t, k, 20, p, g))
+        say(f"  batch {bs:3d}, top-k 20, top-p 0.95: softmax + sorted {cut:7.3f} ms, "
+            f"selection of 20 {pick:7.3f} ms ({cut / pick:.1f}x)")
 
 
 def moe(reps: int) -> None:

@@ -95,7 +95,8 @@ tp2)  # chapter 16 on two GPUs (issue "11 ·"): TP=2 against TP=1, the server at
     python tools/gpu_tp.py --model "$Q06" 2>&1 | quiet | tee "$OUT/ch16_tp2.txt"
     ;;
 online)  # both servers side by side, rounds in turns: 1/16/64/256 in flight, two Poisson rates
-    # (PAGES: each server's KV pool, 450000 unless set; two of those do not fit an H100: 250000)
+    # (PAGES: each server's KV pool, 450000 unless set; two of those do not fit an H100: 250000;
+    #  below about 230000 the 256 in flight do not fit at once and online.py notes that TTFT waits)
     # (ENGINES: NAME=PYTHON_DIR ..., the first compared with the rest; ours and the official)
     # (ENGINE_ARGS: NAME=FLAG=VALUE ..., flags for one engine, e.g. s2048=--streaming-prefill-length=2048)
     # shellcheck disable=SC2046

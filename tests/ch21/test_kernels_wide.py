@@ -253,7 +253,7 @@ def test_the_sampler_takes_the_kernel_without_a_cut(monkeypatch: pytest.MonkeyPa
         for _ in range(2):
             assert sampler.sample(logits, sampler.prepare(Batch(reqs, "decode"))).shape == (3,)
         assert steps == [1, 2]
-        reqs[0].sampling_params = SamplingParams(temperature=0.6, top_k=5)
+        reqs[0].sampling_params = SamplingParams(temperature=0.6, top_p=0.9)
         monkeypatch.setattr(sample, "sample_from_probs", lambda *a: torch.zeros(3))
         assert sampler.sample(logits, sampler.prepare(Batch(reqs, "decode"))).sum() == 0
         assert steps == [1, 2]
