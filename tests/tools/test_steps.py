@@ -758,8 +758,22 @@ def test_run_sees_models_and_passes_arguments(repo: Path) -> None:
     assert done.stdout == "weights ['--flag']\nHELLO FROM CHAPTER 0\n"
 
 
-def test_timeout_kills_the_main_and_what_it_started(repo: Path) -> None:
-    hang = "import subprocess, time\nsubprocess.Popen(['sleep', '60'])\ntime.sleep(60)\n"
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+def test_timeout_kills_the_main_and_what_it_started(repo: Path, tmp_path: Path) -> None:
+    # The child lets go of the pipes, so only killing the main's process group ends it.
+    pidfile = tmp_path / "child.pid"
+    hang = ("import subprocess, time\nchild = subprocess.Popen(['sleep', '600'], "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+            f"open({str(pidfile)!r}, 'w').write(str(child.pid))\ntime.sleep(600)\n")
     edit(repo, "chapters/ch00_a/main.py", "import naive\n", hang + "import naive\n")
     assert steps_cmd(repo, "record", "0").returncode == 0
     # The same timeout bounds the tree's pytest, which must pass: 6 s leaves a loaded CI room.
@@ -767,6 +781,12 @@ def test_timeout_kills_the_main_and_what_it_started(repo: Path) -> None:
         repo, "0", "--timeout", "6", expect={(0, 2), (0, 6)}, message="main.py timed out after 6 s"
     )
     assert "[3] tests pass             ok" in out
+    child = int(pidfile.read_text())
+    for _ in range(50):  # SIGKILL is sent; give the kernel a moment to deliver it
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child), f"the main's child {child} outlived the timeout"
 
 
 def test_mkdocs_hook_expands_includes(repo: Path) -> None:
